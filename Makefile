@@ -1,0 +1,51 @@
+# Sluice — the two commands of the README, and a few helpers.
+#   make run    set everything up and run web, workers, dispatcher and fake vendor (Ctrl-C stops all)
+#   make test   install the test dependencies and pass the whole suite (SQLite, then PostgreSQL + Redis)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PG_URL ?= postgres://postgres@127.0.0.1:5432/test
+REDIS ?= redis://127.0.0.1:6379/0
+PYTEST_ARGS ?=
+
+.PHONY: run test test-sqlite test-distributed poc bench install browser migrate clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+migrate: install
+	$(PY) manage.py migrate --noinput
+
+run: migrate
+	$(PY) manage.py seed_demo
+	$(VENV)/bin/honcho start -f Procfile
+
+# Debian's Chromium for the browser tests (Playwright cannot download its own browser here).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser tests"; \
+	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: install browser test-sqlite test-distributed
+
+test-sqlite: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI).
+test-distributed: install
+	@if $(PY) scripts/services_up.py; then \
+	  echo "== PostgreSQL + Redis =="; \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS); \
+	else echo "PostgreSQL or Redis not reachable on 127.0.0.1: distributed run skipped"; fi
+
+bench: install
+	$(PY) manage.py bench
+
+clean:
+	rm -rf var/test .pytest_cache

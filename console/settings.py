@@ -1,0 +1,211 @@
+"""Sluice settings. Every knob comes from the environment (documented in README.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+from console.env import env, parse_mapping, positive_float_at_most
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+# pytest sets PYTEST_VERSION: tests (and the processes they start) keep their data apart.
+TESTING = bool(os.environ.get("PYTEST_VERSION"))
+DATA_DIR = Path(env("SLUICE_DATA_DIR", str(BASE_DIR / "var" / ("test" if TESTING else "")))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = env("SLUICE_SECRET_KEY", "dev-only-insecure-secret-key-change-me-in-production")
+DEBUG = env("SLUICE_DEBUG", False)
+ALLOWED_HOSTS = env("SLUICE_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
+CSRF_TRUSTED_ORIGINS = env("SLUICE_CSRF_TRUSTED_ORIGINS", ["http://127.0.0.1:8000", "http://localhost:8000"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin.apps.SimpleAdminConfig",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "django_q",
+    "tasks",
+    "fakevendor",
+    "console.apps.ConsoleConfig",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "tasks.api.problems.ProblemJsonMiddleware",
+]
+
+ROOT_URLCONF = "console.urls"
+WSGI_APPLICATION = "console.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database: embedded SQLite by default, PostgreSQL when DATABASE_URL is set -------------
+DATABASE_URL = env("DATABASE_URL", "")
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    DATABASES["default"].setdefault("TEST", {})
+    DATABASES["default"]["TEST"]["NAME"] = env("SLUICE_TEST_DATABASE_NAME", "sluice_test")
+else:
+    # WAL + IMMEDIATE transactions + a busy timeout on every connection: without them, writes
+    # from several worker processes fail with "database is locked" (shared/notes/django-q2.md).
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": env("SLUICE_DATABASE_PATH", str(DATA_DIR / "sluice.sqlite3")),
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+            # A file, not :memory:, so forked worker processes see the test database.
+            "TEST": {"NAME": str(DATA_DIR / "test-sluice.sqlite3")},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Broker and cache: django-q2's ORM broker by default, Redis when REDIS_URL is set -------
+REDIS_URL = env("REDIS_URL", "")
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": env("SLUICE_Q_NAME", "sluice-test" if TESTING else "sluice"),
+        }
+    }
+else:
+    # Shared between processes on one host, so qinfo and the console see every cluster.
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(DATA_DIR / "cache"),
+        }
+    }
+
+LANES = ("interactive", "batch", "heavy", "unknown-risk")
+LANE_WORKERS = {"interactive": 2, "batch": 1, "heavy": 1, "unknown-risk": 1}
+LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
+# The django-q2 timeout of a lane bounds one step (an upload at most); retry must exceed it.
+LANE_STEP_TIMEOUT_S = {"interactive": 600, "batch": 1800, "heavy": 7200, "unknown-risk": 1800}
+CONTROL_WORKERS = env("SLUICE_CONTROL_WORKERS", 2)
+
+_broker = {"redis": REDIS_URL} if REDIS_URL else {"orm": "default"}
+Q_CLUSTER = {
+    "name": env("SLUICE_Q_NAME", "sluice-test" if TESTING else "sluice"),
+    "workers": CONTROL_WORKERS,
+    "timeout": 900,
+    "retry": 960,
+    # The task table is the truth: a failed step is not re-run by the broker; sweeps recover.
+    "max_attempts": 1,
+    "ack_failures": True,
+    "save_limit": -1,
+    "queue_limit": CONTROL_WORKERS * 2,
+    "catch_up": False,
+    "poll": 0.1,
+    "label": "Queue (django-q2)",
+    **_broker,
+    "ALT_CLUSTERS": {
+        lane: {
+            "workers": LANE_WORKERS[lane],
+            "timeout": LANE_STEP_TIMEOUT_S[lane],
+            "retry": LANE_STEP_TIMEOUT_S[lane] + 60,
+            # No prefetching beyond what the workers can run (article 001).
+            "queue_limit": LANE_WORKERS[lane],
+            "scheduler": False,
+        }
+        for lane in LANES
+    },
+}
+
+# --- Sluice behaviour --------------------------------------------------------------------
+# Multiplies every interval in the system (backoff, polls, leases, deadlines, breaker waits).
+TIME_SCALE = env("SLUICE_TIME_SCALE", 1.0, cast=positive_float_at_most(10))
+MAX_UPLOAD_BYTES = env("SLUICE_MAX_UPLOAD_BYTES", 2 * 1024**3)
+FILES_DIR = DATA_DIR / "files"
+RESULTS_DIR = DATA_DIR / "results"
+DISPATCH_TICK_S = env("SLUICE_DISPATCH_TICK_S", 0.2)
+# A step's lease (nominal seconds, scaled) and its floor in real seconds.
+LEASE_S = env("SLUICE_LEASE_S", 30.0)
+LEASE_FLOOR_S = env("SLUICE_LEASE_FLOOR_S", 3.0)
+CALLBACK_ALLOW_PRIVATE = env("SLUICE_CALLBACK_ALLOW_PRIVATE", False)
+SIGNED_URL_TTL_S = env("SLUICE_SIGNED_URL_TTL_S", 900)
+RESULT_RETENTION_DAYS = env("SLUICE_RESULT_RETENTION_DAYS", 30)
+PRECHECK_CPU_S = env("SLUICE_PRECHECK_CPU_S", 10)
+PRECHECK_MEMORY_MB = env("SLUICE_PRECHECK_MEMORY_MB", 512)
+PRECHECK_WALL_S = env("SLUICE_PRECHECK_WALL_S", 20.0)
+PRECHECK_PLUGINS = env("SLUICE_PRECHECK_PLUGINS", [])
+VENDOR_PRIMARY_URL = env("SLUICE_VENDOR_PRIMARY_URL", "http://127.0.0.1:9100/primary")
+VENDOR_FALLBACK_URL = env("SLUICE_VENDOR_FALLBACK_URL", "http://127.0.0.1:9100/fallback")
+VENDOR_API_KEY = env("SLUICE_VENDOR_API_KEY", "dev-vendor-key")
+VENDOR_WEBHOOK_SECRET = env("SLUICE_VENDOR_WEBHOOK_SECRET", "dev-webhook-secret")
+FAKEVENDOR_URL = env("FAKEVENDOR_URL", "http://127.0.0.1:9100")
+FAKEVENDOR_ADMIN_TOKEN = env("FAKEVENDOR_ADMIN_TOKEN", "dev-admin-token")
+LOG_FILE = env("SLUICE_LOG_FILE", "")
+
+# --- Django plumbing ---------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "staticfiles"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True
+LOGIN_URL = "portal:login"
+LOGIN_REDIRECT_URL = "portal:task_list"
+FILE_UPLOAD_TEMP_DIR = str(DATA_DIR / "tmp")
+Path(FILE_UPLOAD_TEMP_DIR).mkdir(parents=True, exist_ok=True)
+DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "tasks.observability.JsonFormatter"}},
+    "handlers": {
+        "stderr": {"class": "logging.StreamHandler", "formatter": "json"},
+        **(
+            {"file": {"class": "logging.FileHandler", "filename": LOG_FILE, "formatter": "json"}}
+            if LOG_FILE
+            else {}
+        ),
+    },
+    "root": {"handlers": ["stderr", *(["file"] if LOG_FILE else [])], "level": env("SLUICE_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django_q": {"level": "WARNING"},
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,11 @@
+from django.urls import include, path
+
+from console import views
+
+urlpatterns = [
+    path("api/v1/", include("tasks.api.urls")),
+    path("console/", include("console.site_urls")),
+    path("metrics", views.metrics, name="metrics"),
+    path("healthz", views.healthz, name="healthz"),
+    path("", include("tasks.portal.urls")),
+]

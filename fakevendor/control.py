@@ -1,0 +1,86 @@
+"""A small client for the fake vendor's /__admin/ control API (tests, POC runner, console page)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ControlError(Exception):
+    """The control API refused a call; `field` names the bad field of a rule."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("detail") or f"HTTP {status}")
+        self.status = status
+        self.code = body.get("code")
+        self.field = body.get("field")
+
+
+class VendorControl:
+    def __init__(self, base_url: str, admin_token: str, *, timeout: float = 10) -> None:
+        self.base = base_url.rstrip("/")
+        self.http = httpx.Client(
+            base_url=self.base, headers={"Authorization": f"Bearer {admin_token}"}, timeout=timeout, trust_env=False
+        )
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self.http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = {}
+            raise ControlError(response.status_code, body)
+        return response.json() if response.content else None
+
+    def health(self) -> bool:
+        try:
+            return self.http.get("/__admin/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def rules(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/__admin/faults")["data"]
+
+    def add_rule(self, rule: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/__admin/faults", json=rule)
+
+    def delete_rule(self, rule_id: str) -> None:
+        self._call("DELETE", f"/__admin/faults/{rule_id}")
+
+    def clear_rules(self) -> None:
+        self._call("DELETE", "/__admin/faults")
+
+    def set_seed(self, seed: int) -> None:
+        self._call("PUT", "/__admin/seed", json={"seed": seed})
+
+    def reset(self, *, faults: bool = True, state: bool = True, journal: bool = True) -> None:
+        self._call("POST", "/__admin/reset", json={"faults": faults, "state": state, "journal": journal})
+
+    def journal(self, *, after_seq: int = 0, limit: int = 100000) -> list[dict[str, Any]]:
+        return self._call("GET", "/__admin/journal", params={"after_seq": after_seq, "limit": limit})["data"]
+
+    def invariants(self) -> dict[str, Any]:
+        return self._call("GET", "/__admin/invariants")
+
+    def channel(self, name: str, **values: Any) -> dict[str, Any]:
+        if values:
+            return self._call("PUT", f"/__admin/channels/{name}", json=values)
+        return self._call("GET", f"/__admin/channels/{name}")
+
+    def usage(self, channel: str, api_key: str) -> list[dict[str, Any]]:
+        """The channel's whole usage ledger (through the vendor API itself)."""
+        entries: list[dict[str, Any]] = []
+        cursor = None
+        prefix = "" if channel == "default" else f"/{channel}"
+        while True:
+            params: dict[str, Any] = {"limit": 1000}
+            if cursor:
+                params["cursor"] = cursor
+            page = httpx.get(f"{self.base}{prefix}/v1/usage", params=params, timeout=10, trust_env=False,
+                             headers={"Authorization": f"Bearer {api_key}"}).json()
+            entries += page["data"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return entries

@@ -1,0 +1,351 @@
+"""Fault rules: validation, matching and deterministic draws.
+
+A rule matches requests by endpoint (method + path pattern, `*` = one segment) and optional
+criteria; `after` skips the first N matches, `times` caps how many get the fault, `probability`
+draws from the rule's own generator (derived from the global seed and the rule id), and an
+explicit `sequence` of fault types (or "ok") replaces `type` for successive matches.
+
+Types fall in three families; a request gets at most one rule of each family:
+- wire: what happens on the socket (delay, stall, dribble, bandwidth, http_error, rate_limit,
+  reset, close, garbage, response_lost);
+- create: how a job create behaves (ignore_idempotency, duplicate_create);
+- job: what the created job does later (job_fail, stuck, digest_mismatch, transient_404).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "response_lost")
+CREATE = ("ignore_idempotency", "duplicate_create")
+JOB = ("job_fail", "stuck", "digest_mismatch", "transient_404")
+TYPES = WIRE + CREATE + JOB
+FAMILY = {**{t: "wire" for t in WIRE}, **{t: "create" for t in CREATE}, **{t: "job" for t in JOB}}
+METHODS = ("GET", "POST", "PUT", "DELETE", "*")
+
+
+class RuleError(ValueError):
+    """A malformed rule; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+def _number(params: dict, key: str, *, required: bool = False, minimum: float = 0, integer: bool = False) -> None:
+    if key not in params or params[key] is None:
+        if required:
+            raise RuleError(f"params.{key}", "is required")
+        return
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RuleError(f"params.{key}", "must be a number")
+    if integer and int(value) != value:
+        raise RuleError(f"params.{key}", "must be an integer")
+    if value < minimum:
+        raise RuleError(f"params.{key}", f"must be at least {minimum}")
+
+
+def validate_params(kind: str, params: dict[str, Any]) -> None:
+    """Check the parameters of one fault type (see the contract's list of types and params)."""
+    if not isinstance(params, dict):
+        raise RuleError("params", "must be an object")
+    if kind == "delay":
+        if "ms" in params:
+            _number(params, "ms", required=True)
+        elif "lower_ms" in params or "upper_ms" in params:
+            _number(params, "lower_ms", required=True)
+            _number(params, "upper_ms", required=True)
+            if params["upper_ms"] < params["lower_ms"]:
+                raise RuleError("params.upper_ms", "must be at least lower_ms")
+        elif "median_ms" in params:
+            _number(params, "median_ms", required=True)
+            _number(params, "sigma", required=True)
+            _number(params, "max_ms")
+        else:
+            raise RuleError("params", "delay needs ms, lower_ms+upper_ms, or median_ms+sigma")
+    elif kind == "stall":
+        _number(params, "ms")
+    elif kind == "dribble":
+        _number(params, "chunks", required=True, minimum=1, integer=True)
+        _number(params, "total_ms", required=True)
+    elif kind == "bandwidth":
+        _number(params, "bytes_per_s", required=True, minimum=1)
+    elif kind == "http_error":
+        _number(params, "status", required=True, minimum=400, integer=True)
+        if params["status"] > 599:
+            raise RuleError("params.status", "must be 400-599")
+        if "code" in params and not isinstance(params["code"], str):
+            raise RuleError("params.code", "must be a string")
+    elif kind == "rate_limit":
+        status = params.get("status", 429)
+        if status not in (429, 503):
+            raise RuleError("params.status", "must be 429 or 503")
+        _number(params, "retry_after_s")
+        if "retry_after_date" in params and not isinstance(params["retry_after_date"], bool):
+            raise RuleError("params.retry_after_date", "must be true or false")
+    elif kind == "reset":
+        stage = params.get("stage", "before_body")
+        if stage not in ("before_body", "mid_body"):
+            raise RuleError("params.stage", "must be before_body or mid_body")
+        if stage == "mid_body":
+            _number(params, "after_bytes", required=True, integer=True)
+    elif kind == "garbage":
+        _number(params, "bytes", minimum=1, integer=True)
+    elif kind == "response_lost":
+        if params.get("mode", "reset") not in ("reset", "close", "stall"):
+            raise RuleError("params.mode", "must be reset, close or stall")
+    elif kind == "duplicate_create":
+        _number(params, "copies", required=True, minimum=2, integer=True)
+    elif kind == "job_fail":
+        if "code" in params and not isinstance(params["code"], str):
+            raise RuleError("params.code", "must be a string")
+        if "retryable" in params and not isinstance(params["retryable"], bool):
+            raise RuleError("params.retryable", "must be true or false")
+    elif kind in ("stuck", "transient_404"):
+        _number(params, "ms", required=True)
+
+
+@dataclass
+class Rule:
+    id: str
+    endpoint: str
+    type: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+    match: dict[str, Any] = field(default_factory=dict)
+    probability: float = 1.0
+    after: int = 0
+    times: int | None = None
+    sequence: list[str] | None = None
+    priority: int = 0
+    order: int = 0
+    # Runtime counters (not part of the definition).
+    matched: int = 0
+    applied: int = 0
+
+    @property
+    def method(self) -> str:
+        return self.endpoint.split(" ", 1)[0]
+
+    @property
+    def path_pattern(self) -> list[str]:
+        return [s for s in self.endpoint.split(" ", 1)[1].split("/") if s]
+
+    def families(self) -> set[str]:
+        kinds = [self.type] if self.type else []
+        kinds += [k for k in (self.sequence or []) if k != "ok"]
+        return {FAMILY[k] for k in kinds}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "match": self.match,
+            "type": self.type,
+            "params": self.params,
+            "probability": self.probability,
+            "after": self.after,
+            "times": self.times,
+            "sequence": self.sequence,
+            "priority": self.priority,
+            "matched": self.matched,
+            "applied": self.applied,
+        }
+
+
+def parse_rule(data: Any, *, default_id: str) -> Rule:
+    """Validate a rule definition; RuleError names the first bad field."""
+    if not isinstance(data, dict):
+        raise RuleError("rule", "must be a JSON object")
+    known = {"id", "endpoint", "match", "type", "params", "probability", "after", "times", "sequence", "priority"}
+    for key in data:
+        if key not in known:
+            raise RuleError(key, "is not a rule field")
+    rule_id = data.get("id") or default_id
+    if not isinstance(rule_id, str) or not rule_id or len(rule_id) > 64:
+        raise RuleError("id", "must be a non-empty string of at most 64 characters")
+    endpoint = data.get("endpoint", "* *")
+    if endpoint == "*":
+        endpoint = "* *"
+    if not isinstance(endpoint, str) or " " not in endpoint:
+        raise RuleError("endpoint", 'must be "METHOD /path" (e.g. "POST /v1/jobs", "* *")')
+    method, path = endpoint.split(" ", 1)
+    if method.upper() not in METHODS:
+        raise RuleError("endpoint", f"method must be one of {', '.join(METHODS)}")
+    if not (path == "*" or path.startswith("/")):
+        raise RuleError("endpoint", "path must start with / (or be *)")
+    endpoint = f"{method.upper()} {path}"
+    kind = data.get("type")
+    sequence = data.get("sequence")
+    if sequence is not None:
+        if not isinstance(sequence, list) or not sequence:
+            raise RuleError("sequence", "must be a non-empty list of fault types or \"ok\"")
+        for index, item in enumerate(sequence):
+            if item != "ok" and item not in TYPES:
+                raise RuleError(f"sequence[{index}]", f"unknown fault type {item!r}")
+    elif kind is None:
+        raise RuleError("type", "is required (or give a sequence)")
+    if kind is not None and kind not in TYPES:
+        raise RuleError("type", f"unknown fault type {kind!r}; known: {', '.join(TYPES)}")
+    params = data.get("params") or {}
+    for item in {kind, *(sequence or [])} - {None, "ok"}:
+        validate_params(item, params)
+    match = data.get("match") or {}
+    if not isinstance(match, dict):
+        raise RuleError("match", "must be an object")
+    for key, value in match.items():
+        if key not in ("client_ref", "header", "kind", "channel", "idempotency_key"):
+            raise RuleError(f"match.{key}", "is not a match criterion (client_ref, header, kind, channel)")
+        if key == "header" and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+            raise RuleError("match.header", "must be an object of header names to values")
+        if key != "header" and not isinstance(value, str):
+            raise RuleError(f"match.{key}", "must be a string")
+    probability = data.get("probability", 1.0)
+    if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
+        raise RuleError("probability", "must be a number between 0 and 1")
+    after = data.get("after", 0)
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise RuleError("after", "must be a non-negative integer")
+    times = data.get("times")
+    if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times < 0):
+        raise RuleError("times", "must be null or a non-negative integer")
+    priority = data.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RuleError("priority", "must be an integer")
+    rule = Rule(
+        id=rule_id, endpoint=endpoint, type=kind, params=params, match=match,
+        probability=float(probability), after=after, times=times, sequence=sequence, priority=priority,
+    )
+    if len(rule.families()) > 1:
+        raise RuleError("sequence", "all fault types of one rule must belong to the same family")
+    return rule
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    method: str
+    path: list[str]
+    channel: str
+    headers: dict[str, str]
+    client_ref: str | None = None
+    kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    rule_id: str
+    type: str
+    params: dict[str, Any]
+    draw: float | None
+    rng: random.Random
+
+
+class FaultEngine:
+    """Holds the rules; thread-safe; decides which fault (if any) each request gets."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.rules: list[Rule] = []
+        self._rngs: dict[str, random.Random] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    def set_seed(self, seed: int) -> None:
+        with self._lock:
+            self.seed = seed
+            self._rngs.clear()
+            for rule in self.rules:
+                rule.matched = rule.applied = 0
+
+    def add(self, data: Any) -> Rule:
+        with self._lock:
+            self._counter += 1
+            rule = parse_rule(data, default_id=f"r{self._counter}")
+            if any(r.id == rule.id for r in self.rules):
+                raise RuleError("id", f"a rule with id {rule.id!r} exists")
+            rule.order = self._counter
+            self.rules.append(rule)
+            return rule
+
+    def remove(self, rule_id: str) -> bool:
+        with self._lock:
+            before = len(self.rules)
+            self.rules = [r for r in self.rules if r.id != rule_id]
+            self._rngs.pop(rule_id, None)
+            return len(self.rules) < before
+
+    def clear(self) -> None:
+        with self._lock:
+            self.rules = []
+            self._rngs.clear()
+
+    def _rng(self, rule_id: str) -> random.Random:
+        if rule_id not in self._rngs:
+            digest = hashlib.sha256(f"{self.seed}:{rule_id}".encode()).digest()
+            self._rngs[rule_id] = random.Random(int.from_bytes(digest[:8], "big"))
+        return self._rngs[rule_id]
+
+    def decide(self, facts: RequestFacts, family: str) -> Decision | None:
+        """The fault of `family` this request gets, if any. Counts the match either way."""
+        with self._lock:
+            candidates = sorted(
+                (r for r in self.rules if family in r.families() and _matches(r, facts)),
+                key=lambda r: (-r.priority, r.order),
+            )
+            for rule in candidates:
+                rule.matched += 1
+                if rule.matched <= rule.after:
+                    continue
+                if rule.times is not None and rule.applied >= rule.times:
+                    continue
+                rng = self._rng(rule.id)
+                draw = None
+                if rule.probability < 1.0:
+                    draw = rng.random()
+                    if draw >= rule.probability:
+                        return None
+                if rule.sequence is not None:
+                    index = rule.matched - rule.after - 1
+                    if index >= len(rule.sequence):
+                        continue
+                    kind = rule.sequence[index]
+                    rule.applied += 1
+                    if kind == "ok":
+                        return None
+                else:
+                    kind = rule.type
+                    rule.applied += 1
+                return Decision(rule_id=rule.id, type=kind, params=rule.params, draw=draw, rng=rng)
+            return None
+
+
+def _matches(rule: Rule, facts: RequestFacts) -> bool:
+    method = rule.method
+    if method != "*" and method != facts.method:
+        return False
+    pattern_text = rule.endpoint.split(" ", 1)[1]
+    if pattern_text != "*":
+        pattern = rule.path_pattern
+        if len(pattern) != len(facts.path):
+            return False
+        for want, have in zip(pattern, facts.path):
+            if want != "*" and want != have:
+                return False
+    match = rule.match
+    if "channel" in match and match["channel"] != facts.channel:
+        return False
+    if "client_ref" in match and match["client_ref"] != facts.client_ref:
+        return False
+    if "kind" in match and match["kind"] != facts.kind:
+        return False
+    if "idempotency_key" in match and match["idempotency_key"] != facts.headers.get("idempotency-key"):
+        return False
+    for name, value in (match.get("header") or {}).items():
+        if facts.headers.get(name.lower()) != value:
+            return False
+    return True

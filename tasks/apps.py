@@ -1,0 +1,21 @@
+from django.apps import AppConfig
+from django.db.models.signals import post_migrate
+
+
+class TasksConfig(AppConfig):
+    name = "tasks"
+    verbose_name = "Sluice tasks"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        post_migrate.connect(_ensure_defaults, sender=self)
+
+
+def _ensure_defaults(sender, **kwargs) -> None:
+    """Lanes, vendor channels and the safety-net schedule every installation starts with."""
+    from tasks.scheduling.lanes import lanes_ensure
+    from tasks.services.setup import channels_ensure, schedules_ensure
+
+    lanes_ensure()
+    channels_ensure()
+    schedules_ensure()

@@ -1,0 +1,38 @@
+"""`python manage.py dispatcher`: the loop that turns due rows of the task table into messages.
+
+Safe to run on several hosts at once (every pass is a compare-and-set or holds the dispatch lock).
+"""
+
+import signal
+import time
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+from django.db import close_old_connections
+
+from tasks.observability import log_event
+from tasks.scheduling.dispatch import tick
+
+
+class Command(BaseCommand):
+    help = "Run the dispatcher loop (deadlines, watchdog, retries, admission, polls, notifications)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--once", action="store_true", help="One pass, then exit.")
+
+    def handle(self, *args, once: bool = False, **options):
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+        interval = float(settings.DISPATCH_TICK_S)
+        log_event("dispatcher_started", delay_s=interval)
+        while not stopping:
+            started = time.monotonic()
+            close_old_connections()
+            try:
+                tick()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad pass
+                log_event("dispatch_error", 40, exception=exc)
+            if once:
+                break
+            time.sleep(max(interval - (time.monotonic() - started), 0.01))

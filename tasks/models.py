@@ -1,0 +1,668 @@
+"""Sluice's domain data. The task table is the truth; queue messages are only triggers.
+
+Only tasks/lifecycle.py writes Task.state and Task.generation.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from tasks.states import State
+
+
+def _new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+class Tenant(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.SlugField(max_length=64, unique=True)
+    callback_url = models.URLField(blank=True, help_text="Terminal task events are POSTed here.")
+    callback_secret = models.CharField(max_length=64, default=_new_secret, editable=False)
+    result_retention_days = models.PositiveIntegerField(default=30)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """A business user belongs to exactly one tenant."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="membership")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+
+    def __str__(self) -> str:
+        return f"{self.user} @ {self.tenant}"
+
+
+class ApiToken(models.Model):
+    """A bearer token of one tenant; only its SHA-256 is stored."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="tokens")
+    name = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=16, unique=True)
+    token_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.tenant} token {self.prefix}…"
+
+
+class FileVersion(models.Model):
+    """An immutable stored upload. Its path derives from its id, never from the client's name."""
+
+    class Precheck(models.TextChoices):
+        PENDING = "pending"
+        PASSED = "passed"
+        QUARANTINED = "quarantined"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="files")
+    sha256 = models.CharField(max_length=64)
+    size = models.BigIntegerField()
+    detected_type = models.CharField(max_length=100)
+    extension = models.CharField(max_length=16, blank=True, help_text="From the display label, lowercased.")
+    label = models.CharField(max_length=255, blank=True, help_text="Display label only; never a path.")
+    storage_name = models.CharField(max_length=100, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    precheck_state = models.CharField(max_length=16, choices=Precheck.choices, default=Precheck.PENDING)
+    precheck_findings = models.JSONField(default=dict, blank=True)
+    precheck_version = models.CharField(max_length=32, blank=True)
+    prechecked_at = models.DateTimeField(null=True, blank=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "sha256"])]
+
+    def __str__(self) -> str:
+        return f"file {self.id}"
+
+    @property
+    def path(self):
+        return settings.FILES_DIR / self.storage_name
+
+
+class Lane(models.Model):
+    """A scheduling lane. Each lane has its own django-q2 cluster of worker processes."""
+
+    class Overflow(models.TextChoices):
+        REJECT = "reject"
+        SHED_OLDEST = "shed-oldest"
+        DEFER = "defer"
+
+    name = models.SlugField(max_length=32, primary_key=True)
+    max_running = models.PositiveIntegerField(default=8)
+    max_queued = models.PositiveIntegerField(default=1000)
+    queue_deadline_s = models.FloatField(default=600, help_text="Longest wait before an attempt starts.")
+    execution_timeout_s = models.FloatField(default=1800, help_text="Longest single attempt.")
+    overflow_policy = models.CharField(max_length=16, choices=Overflow.choices, default=Overflow.REJECT)
+    early_close_pct = models.PositiveIntegerField(
+        default=100, help_text="Admission closes at this % of max_queued (best-effort lanes: e.g. 80)."
+    )
+    aging_s = models.FloatField(default=60, help_text="A task waiting this long goes before fair share.")
+    paused = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class TenantQuota(models.Model):
+    """Limits of one tenant; null means unlimited. Overrides apply on top while active."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
+    max_queued = models.PositiveIntegerField(null=True, blank=True)
+    max_running = models.PositiveIntegerField(null=True, blank=True)
+    submissions_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    bytes_per_day = models.BigIntegerField(null=True, blank=True)
+    units_per_day = models.PositiveIntegerField(null=True, blank=True)
+    lane_weights = models.JSONField(default=dict, blank=True, help_text='e.g. {"batch": 3}; default weight 1.')
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"quota of {self.tenant}"
+
+
+class QuotaOverride(models.Model):
+    QUOTA_FIELDS = ("max_queued", "max_running", "submissions_per_minute", "bytes_per_day", "units_per_day")
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quota_overrides")
+    field = models.CharField(max_length=32, choices=[(f, f) for f in QUOTA_FIELDS])
+    value = models.BigIntegerField(null=True, blank=True, help_text="Empty: unlimited while active.")
+    starts_at = models.DateTimeField()
+    ends_at = models.DateTimeField()
+    reason = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "ends_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.tenant}.{self.field}={self.value} until {self.ends_at:%Y-%m-%d %H:%M}"
+
+
+class VendorChannel(models.Model):
+    """Configuration of one vendor endpoint. Runtime health lives in ChannelHealth."""
+
+    class Mode(models.TextChoices):
+        TWO_STEP = "two_step"
+        INLINE = "inline"
+
+    class UploadTimeout(models.TextChoices):
+        SIZE_DERIVED = "size_derived"
+        FIXED = "fixed"
+
+    name = models.SlugField(max_length=32, primary_key=True)
+    base_url = models.URLField()
+    api_key = models.CharField(max_length=200)
+    webhook_secret = models.CharField(max_length=200, blank=True)
+    mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.TWO_STEP)
+    kinds = models.JSONField(default=list, help_text='Kinds served, e.g. ["transcription", "conversion"].')
+    preference = models.PositiveIntegerField(default=100, help_text="Lower goes first; higher ones are fallbacks.")
+    enabled = models.BooleanField(default=True)
+    # Budgets held across every process (enforced in the database).
+    max_inflight_jobs = models.PositiveIntegerField(default=20)
+    max_concurrent_uploads = models.PositiveIntegerField(default=4)
+    # Time layers (nominal seconds; multiplied by the time scale).
+    connect_timeout_s = models.FloatField(default=5)
+    status_timeout_s = models.FloatField(default=10)
+    result_timeout_s = models.FloatField(default=30)
+    upload_timeout_policy = models.CharField(
+        max_length=16, choices=UploadTimeout.choices, default=UploadTimeout.SIZE_DERIVED
+    )
+    upload_buffer_s = models.FloatField(default=5, help_text="Fixed acceptance buffer.")
+    upload_bandwidth_bytes_s = models.FloatField(default=1024 * 1024, help_text="Bandwidth estimate.")
+    upload_timeout_floor_s = models.FloatField(default=10)
+    upload_timeout_cap_s = models.FloatField(default=3600)
+    upload_fixed_timeout_s = models.FloatField(default=30)
+    poll_initial_s = models.FloatField(default=3)
+    poll_max_interval_s = models.FloatField(default=60)
+    poll_budget_s = models.FloatField(default=900)
+    # Retries (durable RETRY_WAIT, full jitter, Retry-After first).
+    retry_base_s = models.FloatField(default=1)
+    retry_cap_s = models.FloatField(default=60)
+    retry_after_cap_s = models.FloatField(default=300)
+    max_attempts = models.PositiveIntegerField(default=5, help_text="Attempts on this channel before falling back.")
+    retry_budget_capacity = models.FloatField(default=100, help_text="Retry token bucket size.")
+    retry_cost = models.FloatField(default=5)
+    retry_timeout_cost = models.FloatField(default=10)
+    retry_success_refund = models.FloatField(default=1)
+    # Circuit breaker (resilience4j semantics).
+    breaker_window = models.PositiveIntegerField(default=20)
+    breaker_minimum_calls = models.PositiveIntegerField(default=10)
+    breaker_failure_rate = models.FloatField(default=0.5)
+    breaker_slow_call_s = models.FloatField(default=30)
+    breaker_slow_call_rate = models.FloatField(default=1.0)
+    breaker_open_wait_s = models.FloatField(default=30)
+    breaker_half_open_calls = models.PositiveIntegerField(default=2)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["preference", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ChannelHealth(models.Model):
+    """Runtime state of a channel shared by every process: breaker and retry budget."""
+
+    class Breaker(models.TextChoices):
+        CLOSED = "CLOSED"
+        OPEN = "OPEN"
+        HALF_OPEN = "HALF_OPEN"
+        FORCED_OPEN = "FORCED_OPEN"
+        DISABLED = "DISABLED"
+
+    channel = models.OneToOneField(VendorChannel, on_delete=models.CASCADE, primary_key=True, related_name="health")
+    breaker_state = models.CharField(max_length=16, choices=Breaker.choices, default=Breaker.CLOSED)
+    breaker_version = models.PositiveIntegerField(default=0)
+    opened_at = models.DateTimeField(null=True, blank=True)
+    half_open_permits_used = models.PositiveIntegerField(default=0)
+    half_open_successes = models.PositiveIntegerField(default=0)
+    half_open_failures = models.PositiveIntegerField(default=0)
+    window_started_call_id = models.BigIntegerField(default=0, help_text="Calls before this id are outside the window.")
+    retry_tokens = models.FloatField(default=100)
+    last_rate_limited_at = models.DateTimeField(null=True, blank=True)
+    last_retry_after_s = models.FloatField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.channel_id}: {self.breaker_state}"
+
+
+class Task(models.Model):
+    class Kind(models.TextChoices):
+        TRANSCRIPTION = "transcription"
+        CONVERSION = "conversion"
+
+    class Priority(models.TextChoices):
+        INTERACTIVE = "interactive"
+        BATCH = "batch"
+
+    class Phase(models.TextChoices):
+        NONE = ""
+        UPLOAD = "upload"
+        CREATE = "create"
+        POLL = "poll"
+        FETCH = "fetch"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="tasks")
+    file = models.ForeignKey(FileVersion, on_delete=models.PROTECT, related_name="tasks")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    target_format = models.CharField(max_length=16)
+    params = models.JSONField(default=dict, blank=True)
+    priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.BATCH)
+    lane = models.ForeignKey(Lane, on_delete=models.PROTECT, related_name="tasks", null=True, blank=True)
+    callback_url = models.URLField(blank=True)
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+
+    # Lifecycle: written only by tasks.lifecycle.
+    state = models.CharField(max_length=20, choices=State.choices, default=State.ACCEPTED)
+    generation = models.PositiveIntegerField(default=0)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(help_text="Business deadline: waits, execution and retries.")
+    queue_deadline_at = models.DateTimeField(null=True, blank=True)
+    attempt_deadline_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    retries = models.PositiveIntegerField(default=0)
+    deferred = models.BooleanField(default=False, help_text="Accepted while the lane was full (defer policy).")
+
+    # Scheduling: when the next step is due, when a message for it went out, who holds it.
+    phase = models.CharField(max_length=8, choices=Phase.choices, default=Phase.NONE, blank=True)
+    due_at = models.DateTimeField(null=True, blank=True)
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True, help_text="Slots granted, start sent.")
+    lease_owner = models.CharField(max_length=100, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+
+    # Vendor side of the current operation. The key is persisted before the first send.
+    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT, null=True, blank=True, related_name="tasks")
+    vendor_op_seq = models.PositiveIntegerField(default=0)
+    vendor_client_ref = models.CharField(max_length=100, blank=True)
+    vendor_idempotency_key = models.CharField(max_length=255, blank=True)
+    upload_id = models.CharField(max_length=100, blank=True)
+    upload_expires_at = models.DateTimeField(null=True, blank=True)
+    vendor_job = models.ForeignKey(
+        "VendorJob", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    channel_attempts = models.PositiveIntegerField(default=0)
+    abandoned_channels = models.JSONField(default=list, blank=True)
+    poll_interval_s = models.FloatField(default=0)
+    poll_deadline_at = models.DateTimeField(null=True, blank=True)
+    last_retry_after_s = models.FloatField(null=True, blank=True)
+
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.CharField(max_length=500, blank=True)
+    error_retryable = models.BooleanField(default=False)
+
+    result_path = models.CharField(max_length=300, blank=True)
+    result_sha256 = models.CharField(max_length=64, blank=True)
+    result_size = models.BigIntegerField(null=True, blank=True)
+    result_content_type = models.CharField(max_length=100, blank=True)
+    estimated_units = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="task_idempotency_key_per_tenant",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["state", "due_at"]),
+            models.Index(fields=["state", "lease_expires_at"]),
+            models.Index(fields=["lane", "state", "dispatched_at"]),
+            models.Index(fields=["tenant", "state"]),
+            models.Index(fields=["tenant", "-created_at"]),
+            models.Index(fields=["state", "deadline_at"]),
+            models.Index(fields=["vendor_client_ref"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"task {self.id} [{self.state}]"
+
+    @property
+    def is_terminal(self) -> bool:
+        from tasks.states import TERMINAL_STATES
+
+        return self.state in TERMINAL_STATES
+
+
+class Attempt(models.Model):
+    """One execution of a task, fenced by its generation."""
+
+    class Outcome(models.TextChoices):
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        RETRY = "retry"
+        RECONCILE = "reconcile"
+        FAILED = "failed"
+        FENCED = "fenced"
+        CANCELLED = "cancelled"
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="attempt_rows")
+    generation = models.PositiveIntegerField()
+    owner = models.CharField(max_length=100, blank=True)
+    host = models.CharField(max_length=100, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(auto_now_add=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, default=Outcome.RUNNING)
+    error_class = models.CharField(max_length=32, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    channel = models.ForeignKey(VendorChannel, on_delete=models.SET_NULL, null=True, blank=True)
+    vendor_job_id = models.CharField(max_length=100, blank=True)
+    upload_ms = models.PositiveIntegerField(null=True, blank=True)
+    note = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["generation"]
+        constraints = [models.UniqueConstraint(fields=["task", "generation"], name="attempt_generation_unique")]
+
+    def __str__(self) -> str:
+        return f"attempt g{self.generation} of {self.task_id}"
+
+
+class TaskEvent(models.Model):
+    """Append-only history of a task: every state change, and notable steps."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    from_state = models.CharField(max_length=20, blank=True)
+    to_state = models.CharField(max_length=20, blank=True)
+    generation = models.PositiveIntegerField()
+    actor = models.CharField(max_length=100)
+    reason = models.CharField(max_length=300)
+    data = models.JSONField(default=dict, blank=True)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.from_state}→{self.to_state} ({self.reason})"
+
+
+class IdempotencyRecord(models.Model):
+    """An intake Idempotency-Key, held while the first request is being accepted."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE)
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, null=True, blank=True)
+    locked_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="idempotency_record_unique")]
+
+
+class VendorJob(models.Model):
+    """A job that exists (or existed) at a vendor on behalf of a task."""
+
+    TERMINAL = ("completed", "failed", "canceled")
+
+    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT, related_name="jobs")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="vendor_jobs")
+    vendor_job_id = models.CharField(max_length=100)
+    client_ref = models.CharField(max_length=100)
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    status = models.CharField(max_length=16, default="queued")
+    adopted = models.BooleanField(default=False, help_text="Found by reconciliation, not by our own answer.")
+    duplicate_of = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True)
+    billing_units = models.FloatField(null=True, blank=True)
+    billing_unit = models.CharField(max_length=20, blank=True)
+    amount_cents = models.IntegerField(null=True, blank=True)
+    input_sha256 = models.CharField(max_length=64, blank=True)
+    integrity_flag = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cleanup_sent_at = models.DateTimeField(null=True, blank=True)
+    terminal_at = models.DateTimeField(null=True, blank=True, help_text="When we confirmed it terminal.")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["channel", "vendor_job_id"], name="vendor_job_unique")
+        ]
+        indexes = [models.Index(fields=["channel", "terminal_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.channel_id}:{self.vendor_job_id}"
+
+
+class BudgetSlot(models.Model):
+    """One unit of a channel budget held by a task: an upload in progress, or a vendor job."""
+
+    class Kind(models.TextChoices):
+        JOB = "job"
+        UPLOAD = "upload"
+
+    channel = models.ForeignKey(VendorChannel, on_delete=models.CASCADE, related_name="slots")
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="slots")
+    vendor_job = models.ForeignKey(VendorJob, on_delete=models.SET_NULL, null=True, blank=True)
+    acquired_at = models.DateTimeField(auto_now_add=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+    release_reason = models.CharField(max_length=100, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["channel", "kind", "released_at"])]
+
+
+class VendorCall(models.Model):
+    """One HTTP call to a vendor, as the client saw it. Also the breaker's sliding window."""
+
+    channel = models.ForeignKey(VendorChannel, on_delete=models.CASCADE, related_name="calls")
+    task = models.ForeignKey(Task, on_delete=models.SET_NULL, null=True, blank=True, related_name="vendor_calls")
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    operation = models.CharField(max_length=20)
+    status_code = models.PositiveIntegerField(null=True, blank=True)
+    error_class = models.CharField(max_length=64, blank=True)
+    outcome = models.CharField(max_length=16, help_text="ok / not_processed / ambiguous / refused")
+    decision = models.CharField(max_length=32, blank=True)
+    duration_ms = models.PositiveIntegerField(default=0)
+    bytes_sent = models.BigIntegerField(default=0)
+    bytes_received = models.BigIntegerField(default=0)
+    retry_after_s = models.FloatField(null=True, blank=True)
+    counts_for_breaker = models.BooleanField(default=True)
+    breaker_failure = models.BooleanField(default=False)
+    slow = models.BooleanField(default=False)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["channel", "-id"])]
+
+
+class DuplicateIncident(models.Model):
+    """The vendor billed more than one job for one of our operations."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="duplicate_incidents")
+    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT)
+    client_ref = models.CharField(max_length=100)
+    kept_job_id = models.CharField(max_length=100)
+    duplicate_job_ids = models.JSONField(default=list)
+    duplicate_amount_cents = models.IntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"duplicate billing for {self.client_ref}"
+
+
+class LedgerEntry(models.Model):
+    """A copy of one entry of a vendor's usage ledger, for billing reconciliation."""
+
+    channel = models.ForeignKey(VendorChannel, on_delete=models.CASCADE, related_name="ledger")
+    entry_id = models.CharField(max_length=100)
+    job_id = models.CharField(max_length=100)
+    client_ref = models.CharField(max_length=100, blank=True)
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    units = models.FloatField(default=0)
+    unit = models.CharField(max_length=20, blank=True)
+    amount_cents = models.IntegerField(default=0)
+    billed_at = models.DateTimeField()
+    synced_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["channel", "entry_id"], name="ledger_entry_unique")]
+
+
+class Quarantine(models.Model):
+    """A file content held out of every lane until an operator releases or purges it."""
+
+    class Reason(models.TextChoices):
+        CORRUPT = "corrupt_file"
+        TYPE_MISMATCH = "type_mismatch"
+        UNSUPPORTED = "unsupported_type"
+        EXECUTABLE = "executable"
+        ZIP_BOMB = "zip_bomb"
+        ENCRYPTED = "encrypted_document"
+        OVER_LIMIT = "over_limit"
+        PRECHECK_CRASHED = "precheck_crashed"
+        PRECHECK_TIMEOUT = "precheck_timeout"
+        POISON = "poison"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quarantine")
+    file = models.ForeignKey(FileVersion, on_delete=models.CASCADE, related_name="quarantine_entries")
+    sha256 = models.CharField(max_length=64)
+    reason = models.CharField(max_length=32, choices=Reason.choices)
+    detector_version = models.CharField(max_length=32)
+    converter_version = models.CharField(max_length=64, blank=True)
+    findings = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True)
+    released_by = models.CharField(max_length=150, blank=True)
+    release_params = models.JSONField(default=dict, blank=True)
+    purged_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "sha256"])]
+        verbose_name_plural = "quarantine"
+
+    def __str__(self) -> str:
+        return f"quarantine {self.reason} ({self.sha256[:12]})"
+
+    @property
+    def is_open(self) -> bool:
+        return self.released_at is None and self.purged_at is None
+
+
+class DeadLetter(models.Model):
+    """A task whose retries or deadline were spent on retryable errors. References only."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="dead_letters")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE)
+    error_class = models.CharField(max_length=32)
+    error_code = models.CharField(max_length=64)
+    attempts = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    resolution = models.CharField(max_length=16, blank=True, help_text="replayed / discarded")
+    resolved_by = models.CharField(max_length=150, blank=True)
+
+    def __str__(self) -> str:
+        return f"dead letter {self.task_id} ({self.error_code})"
+
+
+class Notification(models.Model):
+    """One terminal-state event to deliver to a tenant's callback URL; its own durable retry."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        DELIVERING = "delivering"
+        DELIVERED = "delivered"
+        EXHAUSTED = "exhausted"
+
+    event_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="notifications")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE)
+    url = models.URLField()
+    event_type = models.CharField(max_length=32)
+    payload = models.JSONField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=8)
+    next_attempt_at = models.DateTimeField()
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    last_status_code = models.PositiveIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=100, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["status", "next_attempt_at"])]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "event_type"], name="one_notification_per_task_event")
+        ]
+
+
+class InboundVendorEvent(models.Model):
+    """A signed vendor callback we accepted, kept to de-duplicate by event id."""
+
+    channel = models.ForeignKey(VendorChannel, on_delete=models.CASCADE)
+    event_id = models.CharField(max_length=100)
+    job_id = models.CharField(max_length=100)
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["channel", "event_id"], name="inbound_event_unique")]
+
+
+class AuditEntry(models.Model):
+    """Append-only record of an operator's action."""
+
+    actor = models.CharField(max_length=150)
+    action = models.CharField(max_length=64)
+    target_type = models.CharField(max_length=32, blank=True)
+    target_id = models.CharField(max_length=100, blank=True)
+    filter = models.JSONField(default=dict, blank=True)
+    done = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)
+    detail = models.JSONField(default=dict, blank=True)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        verbose_name_plural = "audit entries"
+        permissions = [
+            ("operate_tasks", "Retry, cancel and replay tasks"),
+            ("manage_quarantine", "Release and purge quarantine, replay dead letters"),
+            ("open_quarantined_file", "Open a quarantined file in a sandboxed download"),
+            ("run_qa", "Run POC scenarios and change fake vendor faults"),
+            ("configure", "Edit quotas, lanes, vendor channels and users"),
+            ("operate_channels", "Force breakers, pause lanes, change concurrency"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.actor} {self.action} {self.target_type}:{self.target_id}"
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None:
+            raise ValueError("audit entries are append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise ValueError("audit entries are append-only")

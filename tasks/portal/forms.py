@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from django import forms
+
+from tasks.filetypes import KINDS, TARGET_FORMATS
+
+TARGETS = sorted({t for targets in TARGET_FORMATS.values() for t in targets})
+
+
+class SubmitForm(forms.Form):
+    file = forms.FileField(help_text="Audio to transcribe, or a document to convert.")
+    kind = forms.ChoiceField(choices=[(k, k.capitalize()) for k in KINDS])
+    target_format = forms.ChoiceField(choices=[(t, t) for t in TARGETS])
+    priority = forms.ChoiceField(choices=[("interactive", "Interactive (fast lane)"), ("batch", "Batch")], initial="batch")
+
+    def clean(self):
+        data = super().clean()
+        kind, target = data.get("kind"), data.get("target_format")
+        if kind and target and target not in TARGET_FORMATS[kind]:
+            self.add_error("target_format", f"For {kind}, choose one of: {', '.join(TARGET_FORMATS[kind])}.")
+        return data

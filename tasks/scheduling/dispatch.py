@@ -1,0 +1,461 @@
+"""The dispatcher: finds due work in the task table and sends the messages that trigger it.
+
+It runs as a loop (`manage.py dispatcher`, one or more per installation, on any host), is also
+called right after events (intake commit, a step finishing, a slot freed), and as a django-q2
+schedule every minute for safety. Every pass is safe to run concurrently: admission happens
+under one database lock, everything else is a compare-and-set per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Iterator
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Count, F, Q
+from django.utils import timezone
+
+from tasks import lifecycle, timescale
+from tasks.lifecycle import task_update
+from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, VendorChannel, VendorJob
+from tasks.observability import log_event
+from tasks.queueing import send, send_step
+from tasks.scheduling import quotas
+from tasks.scheduling.budgets import UPLOAD, channel_usage, slots_release, slots_reserve
+from tasks.services.outcomes import task_move
+from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
+from tasks.vendor import breaker
+from tasks.vendor.policies import BreakerPolicy
+
+S = State
+B = ChannelHealth.Breaker
+ACTOR = "dispatcher"
+BATCH = 200
+# A sent message nobody picked up within this many nominal seconds is sent again.
+REDISPATCH_AFTER_S = 10.0
+_LOCK_KEY = 0x51_1CE
+
+
+def lane_for_step(step: str, task: Task | dict) -> str | None:
+    if step in ("start", "poll", "reconcile", "cancel"):
+        lane = task["lane_id"] if isinstance(task, dict) else task.lane_id
+        return lane
+    return None
+
+
+@contextlib.contextmanager
+def dispatch_lock() -> Iterator[None]:
+    """One admission decision at a time across every process and host."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK_KEY])
+        # SQLite: the IMMEDIATE transaction already excludes every other writer.
+        yield
+
+
+def tick(*, now: datetime | None = None) -> dict[str, int]:
+    """One pass over everything that may be due. Returns counts, for logs and tests."""
+    now = now or timezone.now()
+    counts = {
+        "expired": expire_queue_deadlines(now),
+        "deadline_failed": enforce_business_deadlines(now),
+        "fenced": watchdog(now),
+        "retries_due": promote_retries(now),
+        "undeferred": admit_deferred(now),
+        "admitted": sum(len(admit_lane(lane, now)) for lane in Lane.objects.filter(paused=False)),
+        "steps_sent": send_due_steps(now),
+        "starts_resent": resend_lost_starts(now),
+        "probes": probe_open_breakers(now),
+        "notifications": send_due_notifications(now),
+        "vendor_jobs": clean_up_vendor_jobs(now),
+    }
+    busy = {k: v for k, v in counts.items() if v}
+    if busy:
+        log_event("dispatch_tick", count=sum(busy.values()), reason=",".join(f"{k}={v}" for k, v in busy.items()))
+    return counts
+
+
+# --- deadlines -------------------------------------------------------------------------------
+def expire_queue_deadlines(now: datetime) -> int:
+    """A task that could not start before its queue deadline is EXPIRED, never dispatched late."""
+    expired = 0
+    rows = Task.objects.filter(
+        Q(state=S.QUEUED, dispatched_at__isnull=True) | Q(state=S.ACCEPTED, deferred=True),
+        queue_deadline_at__lt=now,
+    ).values("pk", "state", "generation")[:BATCH]
+    for row in rows:
+        if task_move(
+            row["pk"], source=row["state"], target=S.EXPIRED, generation=row["generation"], actor=ACTOR,
+            reason="queue deadline passed before a worker could start it",
+            fields=dict(error_code="queue_deadline_exceeded", error_message="waited longer than the lane's queue deadline"),
+        ):
+            expired += 1
+    return expired
+
+
+def enforce_business_deadlines(now: datetime) -> int:
+    """Past its business deadline a task FAILS with deadline_exceeded; its vendor job is cancelled."""
+    failed = 0
+    rows = list(
+        Task.objects.filter(deadline_at__lt=now)
+        .exclude(state__in=[*TERMINAL_STATES, S.CANCEL_REQUESTED])
+        .values("pk", "state", "generation", "vendor_job_id", "retries")[:BATCH]
+    )
+    for row in rows:
+        moved = task_move(
+            row["pk"], source=row["state"], target=S.FAILED, generation=row["generation"], actor=ACTOR,
+            reason="business deadline passed",
+            fields=dict(error_code="deadline_exceeded", error_message="the task's business deadline passed",
+                        error_retryable=True, lease_owner="", lease_expires_at=None),
+            attempt_outcome=Attempt.Outcome.FENCED,
+            dead_letter_class="deadline" if row["retries"] else None,
+        )
+        if moved:
+            failed += 1
+            VendorJob.objects.filter(task_id=row["pk"], terminal_at__isnull=True).update(cancel_requested_at=now)
+    return failed
+
+
+def watchdog(now: datetime) -> int:
+    """Fence attempts whose lease expired (a lost worker) or that ran past their execution timeout."""
+    fenced = 0
+    expired = Task.objects.filter(state__in=IN_FLIGHT_STATES, lease_expires_at__lt=now).values(
+        "pk", "state", "generation", "lease_owner", "lease_expires_at"
+    )[:BATCH]
+    for row in expired:
+        attempt = Attempt.objects.filter(task_id=row["pk"], ended_at__isnull=True).order_by("-generation").first()
+        seen = {
+            "owner": row["lease_owner"], "pid": attempt.pid if attempt else None,
+            "host": attempt.host if attempt else None,
+            "last_heartbeat": attempt.heartbeat_at.isoformat() if attempt and attempt.heartbeat_at else None,
+        }
+        target = S.CANCEL_REQUESTED if row["state"] == S.CANCEL_REQUESTED else S.RECONCILING
+        moved = task_move(
+            row["pk"], source=row["state"], target=target, generation=row["generation"], actor="watchdog",
+            reason=f"lease of {row['lease_owner'] or 'a worker'} expired: fenced; check the vendor before any retry",
+            fields=dict(lease_owner="", lease_expires_at=None, due_at=now, enqueued_at=None, phase="",
+                        **({"error_code": "lease_expired"} if target == S.RECONCILING else {})),
+            attempt_outcome=Attempt.Outcome.FENCED if row["state"] == S.RUNNING else None,
+            data={"watchdog": seen},
+        )
+        if moved:
+            fenced += 1
+            slots_release(row["pk"], UPLOAD, reason="fenced")
+            _kill_local_subprocess(attempt)
+            log_event("fenced", logging.WARNING, task_id=row["pk"], reason="lease_expired", pid=seen["pid"], host=seen["host"])
+    overdue = Task.objects.filter(state=S.RUNNING, attempt_deadline_at__lt=now).values("pk", "generation")[:BATCH]
+    for row in overdue:
+        moved = task_move(
+            row["pk"], source=S.RUNNING, target=S.RECONCILING, generation=row["generation"], actor="watchdog",
+            reason="the attempt ran past its execution timeout: fenced; the vendor job will be checked and stopped",
+            fields=dict(lease_owner="", lease_expires_at=None, due_at=now, enqueued_at=None, phase="",
+                        error_code="execution_timeout"),
+            attempt_outcome=Attempt.Outcome.FENCED,
+        )
+        if moved:
+            fenced += 1
+            slots_release(row["pk"], UPLOAD, reason="execution timeout")
+    return fenced
+
+
+def _kill_local_subprocess(attempt: Attempt | None) -> None:
+    """A pre-check subprocess of a fenced attempt on this host is killed (see precheck.sandbox)."""
+    from tasks.precheck.sandbox import kill_orphans
+
+    kill_orphans()
+
+
+# --- moving work forward ---------------------------------------------------------------------
+def promote_retries(now: datetime) -> int:
+    promoted = 0
+    rows = Task.objects.filter(state=S.RETRY_WAIT, due_at__lte=now).select_related("lane")[:BATCH]
+    for task in rows:
+        moved = task_move(
+            task.pk, source=S.RETRY_WAIT, target=S.QUEUED, generation=task.generation, actor=ACTOR,
+            reason="retry due",
+            fields=dict(queued_at=now, due_at=None, dispatched_at=None, enqueued_at=None,
+                        queue_deadline_at=now + timescale.delta(task.lane.queue_deadline_s)),
+        )
+        promoted += bool(moved)
+    return promoted
+
+
+def lane_has_room(lane: Lane) -> bool:
+    waiting = Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).count()
+    return waiting < lane.max_queued
+
+
+def admit_deferred(now: datetime) -> int:
+    """Tasks accepted while their lane was full (defer policy) enter it once there is room."""
+    moved_count = 0
+    for lane in Lane.objects.all():
+        if not Task.objects.filter(lane=lane, state=S.ACCEPTED, deferred=True).exists():
+            continue
+        room = lane.max_queued - Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).count()
+        if room <= 0:
+            continue
+        rows = Task.objects.filter(lane=lane, state=S.ACCEPTED, deferred=True).order_by("created_at").values(
+            "pk", "generation"
+        )[: min(room, BATCH)]
+        for row in rows:
+            if task_move(
+                row["pk"], source=S.ACCEPTED, target=S.QUEUED, generation=row["generation"], actor=ACTOR,
+                reason=f"lane {lane.name} has room again", fields=dict(queued_at=now, deferred=False),
+            ):
+                moved_count += 1
+    return moved_count
+
+
+@dataclass
+class ChannelRoom:
+    channel: VendorChannel
+    available: bool
+    free_jobs: int
+    free_uploads: int
+    trials_left: int | None = None
+
+    def fits(self) -> bool:
+        if not self.available or self.free_jobs <= 0 or self.free_uploads <= 0:
+            return False
+        return self.trials_left is None or self.trials_left > 0
+
+    def take(self) -> None:
+        self.free_jobs -= 1
+        self.free_uploads -= 1
+        if self.trials_left is not None:
+            self.trials_left -= 1
+
+
+def channel_rooms() -> dict[str, ChannelRoom]:
+    rooms: dict[str, ChannelRoom] = {}
+    for channel in VendorChannel.objects.filter(enabled=True):
+        health = breaker.health_for(channel)
+        usage = channel_usage(channel)
+        available = breaker.is_available(channel, health)
+        trials = None
+        if health.breaker_state in (B.OPEN, B.HALF_OPEN):
+            used = health.half_open_permits_used if health.breaker_state == B.HALF_OPEN else 0
+            trials = max(BreakerPolicy.for_channel(channel).half_open_calls - used, 0)
+        rooms[channel.name] = ChannelRoom(
+            channel=channel, available=available, free_jobs=usage.free_jobs(channel),
+            free_uploads=usage.free_uploads(channel), trials_left=trials,
+        )
+    return rooms
+
+
+def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | None:
+    """The task's channel, or the next healthy one with room.
+
+    A QUEUED task either has no vendor operation yet, or one that was proven not processed (a
+    not-processed failure, or a reconciliation that found nothing), so moving it elsewhere can
+    not create a second billed job.
+    """
+    ordered = sorted(rooms.values(), key=lambda r: (r.channel.preference, r.channel.name))
+    preferred = [r for r in ordered if r.channel.name == task.channel_id]
+    candidates = preferred + [r for r in ordered if r.channel.name != task.channel_id]
+    for room in candidates:
+        if task.kind not in (room.channel.kinds or []) or room.channel.name in (task.abandoned_channels or []):
+            continue
+        if room.fits():
+            return room
+    return None
+
+
+def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
+    """Dispatch the lane's waiting tasks into free slots: fair share by tenant weight, with aging."""
+    sent: list[tuple[Any, int, str]] = []
+    with dispatch_lock():
+        lane = Lane.objects.get(pk=lane.pk)
+        if lane.paused:
+            return []
+        in_lane = Task.objects.filter(lane=lane)
+        running = in_lane.filter(Q(state__in=IN_FLIGHT_STATES) | Q(state=S.QUEUED, dispatched_at__isnull=False))
+        free = lane.max_running - running.count()
+        if free <= 0:
+            return []
+        waiting = in_lane.filter(state=S.QUEUED, dispatched_at__isnull=True)
+        tenants = list(waiting.values("tenant_id").annotate(n=Count("id")).values_list("tenant_id", flat=True))
+        if not tenants:
+            return []
+        running_here = dict(running.values("tenant_id").annotate(n=Count("id")).values_list("tenant_id", "n"))
+        from tasks.models import Tenant
+
+        tenant_rows = {t.pk: t for t in Tenant.objects.filter(pk__in=tenants)}
+        limits = {t: quotas.quota_effective(tenant_rows[t], now=now) for t in tenants}
+        running_all = {t: quotas.tenant_running(t) for t in tenants}
+        heads = {
+            t: list(waiting.filter(tenant_id=t).order_by("queue_deadline_at", "queued_at", "created_at")[:free])
+            for t in tenants
+        }
+        rooms = channel_rooms()
+        aging = timescale.delta(lane.aging_s)
+        while free > 0:
+            eligible = [
+                t for t in tenants
+                if heads[t] and (limits[t].max_running is None or running_all[t] < limits[t].max_running)
+            ]
+            if not eligible:
+                break
+            aged = [t for t in eligible if now - (heads[t][0].queued_at or heads[t][0].created_at) > aging]
+            if aged:
+                tenant = min(aged, key=lambda t: heads[t][0].queued_at or heads[t][0].created_at)
+            else:
+                tenant = min(
+                    eligible,
+                    key=lambda t: ((running_here.get(t, 0) + 1) / limits[t].weight(lane.name), heads[t][0].queue_deadline_at or now),
+                )
+            task = heads[tenant].pop(0)
+            room = pick_channel(task, rooms)
+            if room is None:
+                continue
+            fields: dict[str, Any] = dict(dispatched_at=now, enqueued_at=now)
+            if task.channel_id != room.channel.name or not task.vendor_idempotency_key:
+                from tasks.services.execution import new_operation_fields
+
+                fields.update(new_operation_fields(task, room.channel))
+                if task.channel_id and task.channel_id != room.channel.name:
+                    lifecycle.record_event(
+                        task.pk, generation=task.generation, actor=ACTOR,
+                        reason=f"fallback: {task.channel_id} → {room.channel.name}",
+                        data={"from": task.channel_id, "to": room.channel.name},
+                    )
+            if not task_update(task.pk, state=S.QUEUED, generation=task.generation, **fields):
+                continue
+            slots_reserve(task, room.channel)
+            room.take()
+            running_here[tenant] = running_here.get(tenant, 0) + 1
+            running_all[tenant] += 1
+            free -= 1
+            sent.append((task.pk, task.generation, lane.name))
+        for task_id, generation, lane_name in sent:
+            transaction.on_commit(lambda t=task_id, g=generation, n=lane_name: send_step("start", t, g, lane=n))
+    return sent
+
+
+def dispatch_soon(lane_name: str | None) -> None:
+    """Event-driven admission (after intake, a finished step, a freed slot)."""
+    lanes = Lane.objects.filter(paused=False)
+    if lane_name:
+        lanes = lanes.filter(pk=lane_name)
+    for lane in lanes:
+        admit_lane(lane, timezone.now())
+
+
+def send_due_steps(now: datetime) -> int:
+    """Send the next step of every task whose step is due and not held by a live lease."""
+    resend_before = now - timescale.delta(REDISPATCH_AFTER_S)
+    steps = {S.ACCEPTED: "precheck", S.RUNNING: "poll", S.RECONCILING: "reconcile", S.CANCEL_REQUESTED: "cancel"}
+    rows = (
+        Task.objects.filter(state__in=list(steps), due_at__lte=now)
+        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
+        .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=F("due_at")) | Q(enqueued_at__lt=resend_before))
+        .values("pk", "state", "generation", "lane_id", "phase")[:BATCH]
+    )
+    sent = 0
+    for row in rows:
+        if row["state"] == S.RUNNING and row["phase"] != Task.Phase.POLL:
+            continue
+        if Task.objects.filter(pk=row["pk"], state=row["state"], generation=row["generation"]).update(enqueued_at=now):
+            step = steps[row["state"]]
+            send_step(step, row["pk"], row["generation"], lane=row["lane_id"] if step != "precheck" else None)
+            sent += 1
+    return sent
+
+
+def resend_lost_starts(now: datetime) -> int:
+    """A start message lost between dispatcher and worker (at-most-once Redis) is sent again."""
+    cutoff = now - timescale.delta(REDISPATCH_AFTER_S)
+    rows = Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=False, enqueued_at__lt=cutoff).values(
+        "pk", "generation", "lane_id"
+    )[:BATCH]
+    sent = 0
+    for row in rows:
+        if Task.objects.filter(pk=row["pk"], state=S.QUEUED, generation=row["generation"]).update(enqueued_at=now):
+            send_step("start", row["pk"], row["generation"], lane=row["lane_id"])
+            sent += 1
+    return sent
+
+
+def probe_open_breakers(now: datetime) -> int:
+    """An OPEN breaker past its wait gets a probe call, so recovery is noticed without traffic."""
+    sent = 0
+    for health in ChannelHealth.objects.filter(breaker_state=B.OPEN).select_related("channel"):
+        channel = health.channel
+        if breaker.is_available(channel, health):
+            send("tasks.workers.run_probe", channel.name, name=f"probe {channel.name}")
+            sent += 1
+    return sent
+
+
+def send_due_notifications(now: datetime) -> int:
+    resend_before = now - timescale.delta(REDISPATCH_AFTER_S)
+    # A delivery whose worker died mid-send goes back to pending.
+    Notification.objects.filter(status=Notification.Status.DELIVERING, lease_expires_at__lt=now).update(
+        status=Notification.Status.PENDING, lease_expires_at=None
+    )
+    rows = Notification.objects.filter(status=Notification.Status.PENDING, next_attempt_at__lte=now).filter(
+        Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=resend_before) | Q(enqueued_at__lt=F("next_attempt_at"))
+    ).values_list("pk", flat=True)[:BATCH]
+    sent = 0
+    for pk in rows:
+        if Notification.objects.filter(pk=pk, status=Notification.Status.PENDING).update(enqueued_at=now):
+            send("tasks.workers.run_notification", pk, name=f"notify {pk}")
+            sent += 1
+    return sent
+
+
+def clean_up_vendor_jobs(now: datetime) -> int:
+    """Live vendor jobs nobody tracks any more (duplicates, jobs of finished tasks) are cancelled."""
+    grace = now - timedelta(seconds=max(timescale.seconds(settings.LEASE_S) * 2, settings.LEASE_FLOOR_S * 2))
+    marked = VendorJob.objects.filter(
+        Q(task__state__in=TERMINAL_STATES) | Q(duplicate_of__isnull=False),
+        terminal_at__isnull=True, cancel_requested_at__isnull=True, created_at__lt=grace,
+    ).update(cancel_requested_at=now)
+    resend_before = now - timescale.delta(REDISPATCH_AFTER_S)
+    due = VendorJob.objects.filter(terminal_at__isnull=True, cancel_requested_at__isnull=False).filter(
+        Q(cleanup_sent_at__isnull=True) | Q(cleanup_sent_at__lt=resend_before)
+    ).values_list("pk", flat=True)[:BATCH]
+    sent = 0
+    for pk in due:
+        if VendorJob.objects.filter(pk=pk).update(cleanup_sent_at=now):
+            send("tasks.workers.run_vendor_job_cleanup", pk, name=f"vendor job {pk}")
+            sent += 1
+    return marked + sent
+
+
+# --- why is this task waiting? -----------------------------------------------------------------
+def waiting_reason(task: Task) -> str | None:
+    """tenant_at_quota | lane_full | vendor_budget | breaker_open | fair_share (and a few states)."""
+    if task.state == S.ACCEPTED:
+        return "lane_full" if task.deferred else "precheck"
+    if task.state == S.RETRY_WAIT:
+        return "retry_backoff"
+    if task.state != S.QUEUED or task.dispatched_at is not None:
+        return None
+    lane = task.lane
+    if lane is None:
+        return "precheck"
+    if lane.paused:
+        return "lane_paused"
+    running = Task.objects.filter(lane=lane).filter(
+        Q(state__in=IN_FLIGHT_STATES) | Q(state=S.QUEUED, dispatched_at__isnull=False)
+    ).count()
+    if running >= lane.max_running:
+        return "lane_full"
+    limit = quotas.quota_effective(task.tenant).max_running
+    if limit is not None and quotas.tenant_running(task.tenant_id) >= limit:
+        return "tenant_at_quota"
+    rooms = [
+        r for r in channel_rooms().values()
+        if task.kind in (r.channel.kinds or []) and r.channel.name not in (task.abandoned_channels or [])
+    ]
+    if rooms and not any(r.available for r in rooms):
+        return "breaker_open"
+    if not any(r.fits() for r in rooms):
+        return "vendor_budget"
+    return "fair_share"

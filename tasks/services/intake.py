@@ -1,0 +1,327 @@
+"""Accepting work: immutable file versions, and tasks that are durable before anyone hears 202.
+
+The task row is written (state ACCEPTED) in one transaction with its history entry and its
+idempotency record; the message that triggers its pre-check goes out after commit. If that
+message is lost, the dispatcher finds the ACCEPTED task and sends it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterable
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from tasks import filetypes, timescale
+from tasks.errors import (
+    BacklogFull, FileNotFound, FileQuarantined, IdempotencyKeyInUse, IdempotencyKeyMismatch, InvalidRequest,
+    UnsupportedType,
+)
+from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
+from tasks.observability import log_event
+from tasks.queueing import send_step_on_commit
+from tasks.scheduling.lanes import ROUTING
+from tasks.scheduling.quotas import quota_check_submission
+from tasks.services.outcomes import task_move
+from tasks.states import State
+from tasks.storage import store_stream
+
+PRIORITIES = ("interactive", "batch")
+DEFAULT_DEADLINE_S = 24 * 3600
+MAX_DEADLINE_S = 30 * 24 * 3600
+MAX_PARAMS_BYTES = 4096
+# An intake that crashed while holding its key gives it up after this many seconds.
+KEY_LOCK_S = 30
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    file_id: str
+    kind: str
+    target_format: str
+    params: dict[str, Any] = field(default_factory=dict)
+    priority: str = "batch"
+    deadline_s: float | None = None
+    callback_url: str = ""
+
+    def fingerprint(self) -> str:
+        canonical = json.dumps(
+            [self.file_id, self.kind, self.target_format, self.params, self.priority],
+            sort_keys=True, separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Submitted:
+    task: Task
+    replayed: bool
+
+
+def file_create(*, tenant: Tenant, chunks: Iterable[bytes], label: str = "") -> FileVersion:
+    """Stream an upload to disk and record an immutable file version."""
+    blob = store_stream(chunks, max_bytes=int(settings.MAX_UPLOAD_BYTES))
+    sniffed = filetypes.sniff(blob.head)
+    if sniffed.family not in filetypes.ACCEPTED_AT_UPLOAD:
+        (settings.FILES_DIR / blob.storage_name).unlink(missing_ok=True)
+        raise UnsupportedType(
+            f"Files of type {sniffed.mime} are not processed. Send audio (WAV, MP3, FLAC, OGG, M4A) or documents (PDF, Office, text)."
+        )
+    version = FileVersion.objects.create(
+        tenant=tenant, sha256=blob.sha256, size=blob.size, detected_type=sniffed.mime,
+        extension=filetypes.extension_of(label), label=label[:255], storage_name=blob.storage_name,
+    )
+    known = Quarantine.objects.filter(
+        tenant=tenant, sha256=blob.sha256, released_at__isnull=True, purged_at__isnull=True
+    ).first()
+    if known is not None:
+        # The same content was quarantined before: recognised at once, never pre-checked again.
+        FileVersion.objects.filter(pk=version.pk).update(
+            precheck_state=FileVersion.Precheck.QUARANTINED,
+            precheck_findings={**known.findings, "recognised_from": str(known.file_id)},
+            precheck_version=known.detector_version, prechecked_at=timezone.now(),
+        )
+        version.refresh_from_db()
+    log_event("file_stored", tenant_id=tenant.pk, file_id=version.pk, size=blob.size, detected_type=sniffed.mime)
+    return version
+
+
+def validate_submission(data: Any) -> SubmitRequest:
+    """Parse a submission; InvalidRequest says exactly what to fix."""
+    if not isinstance(data, dict):
+        raise InvalidRequest("The body must be a JSON object.")
+    unknown = set(data) - {"file_id", "kind", "target_format", "params", "priority", "deadline_s", "callback_url"}
+    if unknown:
+        raise InvalidRequest(f"Unknown field(s): {', '.join(sorted(unknown))}.", field=sorted(unknown)[0])
+    file_id = data.get("file_id")
+    if not isinstance(file_id, str) or not file_id:
+        raise InvalidRequest("file_id is required: the id returned by POST /api/v1/files.", field="file_id")
+    kind = data.get("kind")
+    if kind not in filetypes.KINDS:
+        raise InvalidRequest(f"kind must be one of: {', '.join(filetypes.KINDS)}.", field="kind")
+    target = data.get("target_format")
+    allowed = filetypes.TARGET_FORMATS[kind]
+    if target not in allowed:
+        raise InvalidRequest(f"target_format for {kind} must be one of: {', '.join(allowed)}.", field="target_format")
+    params = data.get("params", {}) or {}
+    if not isinstance(params, dict):
+        raise InvalidRequest("params must be a JSON object.", field="params")
+    if len(json.dumps(params)) > MAX_PARAMS_BYTES:
+        raise InvalidRequest(f"params must be at most {MAX_PARAMS_BYTES} bytes of JSON.", field="params")
+    priority = data.get("priority", "batch")
+    if priority not in PRIORITIES:
+        raise InvalidRequest(f"priority must be one of: {', '.join(PRIORITIES)}.", field="priority")
+    deadline = data.get("deadline_s")
+    if deadline is not None and (
+        isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 60 <= deadline <= MAX_DEADLINE_S
+    ):
+        raise InvalidRequest(f"deadline_s must be a number of seconds between 60 and {MAX_DEADLINE_S}.", field="deadline_s")
+    callback = data.get("callback_url") or ""
+    if not isinstance(callback, str):
+        raise InvalidRequest("callback_url must be a string.", field="callback_url")
+    if callback:
+        from tasks.services.notifications import callback_url_validate
+
+        callback_url_validate(callback)
+    return SubmitRequest(
+        file_id=file_id, kind=kind, target_format=target, params=params, priority=priority,
+        deadline_s=float(deadline) if deadline is not None else None, callback_url=callback,
+    )
+
+
+def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str | None, actor: str) -> Submitted:
+    """Accept a task durably, or raise an error that stored nothing."""
+    if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
+        raise InvalidRequest("Idempotency-Key must be 1 to 255 characters.")
+    fingerprint = request.fingerprint()
+    record = None
+    if idempotency_key:
+        replay, record = _reserve_key(tenant, idempotency_key, fingerprint)
+        if replay is not None:
+            return Submitted(task=replay, replayed=True)
+    try:
+        task = _accept(tenant=tenant, request=request, actor=actor, record=record, key=idempotency_key)
+    except BaseException:
+        if record is not None:
+            # Refusals are not stored against the key: the client may fix the request and retry.
+            IdempotencyRecord.objects.filter(pk=record.pk, task__isnull=True).delete()
+        raise
+    return Submitted(task=task, replayed=False)
+
+
+def _reserve_key(tenant: Tenant, key: str, fingerprint: str) -> tuple[Task | None, IdempotencyRecord | None]:
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            return None, IdempotencyRecord.objects.create(tenant=tenant, key=key, fingerprint=fingerprint, locked_at=now)
+    except IntegrityError:
+        pass
+    existing = IdempotencyRecord.objects.select_related("task").get(tenant=tenant, key=key)
+    if existing.fingerprint != fingerprint:
+        raise IdempotencyKeyMismatch()
+    if existing.task is not None:
+        return existing.task, None
+    if existing.locked_at and now - existing.locked_at < timedelta(seconds=KEY_LOCK_S):
+        raise IdempotencyKeyInUse(retry_after=1)
+    taken = IdempotencyRecord.objects.filter(pk=existing.pk, task__isnull=True, locked_at=existing.locked_at).update(locked_at=now)
+    if not taken:
+        raise IdempotencyKeyInUse(retry_after=1)
+    existing.locked_at = now
+    return None, existing
+
+
+def _accept(*, tenant: Tenant, request: SubmitRequest, actor: str, record: IdempotencyRecord | None, key: str | None) -> Task:
+    file = FileVersion.objects.filter(pk=_uuid_or_none(request.file_id), tenant=tenant, deleted_at__isnull=True).first()
+    if file is None:
+        raise FileNotFound()
+    if file.precheck_state == FileVersion.Precheck.QUARANTINED:
+        reason = (file.precheck_findings or {}).get("reason", "pre-check")
+        raise FileQuarantined(f"This file is quarantined ({reason}); an operator must release it before it can be processed.")
+    sniffed_family = filetypes.FAMILY_BY_MIME.get(file.detected_type)
+    if sniffed_family and sniffed_family in (filetypes.AUDIO, filetypes.DOCUMENT, filetypes.TEXT):
+        if sniffed_family not in filetypes.INPUT_FAMILIES[request.kind]:
+            raise InvalidRequest(
+                f"This file is {sniffed_family}; {request.kind} needs "
+                f"{' or '.join(sorted(filetypes.INPUT_FAMILIES[request.kind]))}.", field="kind",
+            )
+    findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
+    lane_name = ROUTING.lane_for(priority=request.priority, size=file.size, findings=findings)
+    units = _estimated_units(request.kind, findings)
+    now = timezone.now()
+    deadline_s = request.deadline_s or DEFAULT_DEADLINE_S
+    with transaction.atomic():
+        # Serialise admission per tenant and lane, so quotas and backlog limits hold exactly.
+        Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+        lane = Lane.objects.select_for_update().get(pk=lane_name)
+        quota_check_submission(tenant, size=file.size, units=units)
+        deferred = _admit(lane, priority=request.priority)
+        task = Task.objects.create(
+            tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
+            priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
+            deadline_at=now + timescale.delta(deadline_s),
+            queue_deadline_at=now + timescale.delta(lane.queue_deadline_s),
+            estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,
+        )
+        TaskEvent.objects.create(
+            task=task, from_state="", to_state=State.ACCEPTED, generation=0, actor=actor[:100],
+            reason="accepted" + (" (deferred: lane full)" if deferred else ""),
+            data={"lane": lane.name, "priority": request.priority},
+        )
+        if record is not None:
+            IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, locked_at=None)
+        send_step_on_commit("precheck", task.pk, 0)
+    log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=lane.name, kind=request.kind, size=file.size)
+    return task
+
+
+def _admit(lane: Lane, *, priority: str) -> bool:
+    """Close the door explicitly when the lane's backlog is too deep; True means deferred."""
+    waiting = Task.objects.filter(lane=lane, state__in=(State.ACCEPTED, State.QUEUED), dispatched_at__isnull=True).count()
+    retry_after = max(timescale.seconds(30), 1)
+    if priority == "batch" and lane.early_close_pct < 100 and waiting >= lane.max_queued * lane.early_close_pct / 100:
+        if lane.overflow_policy != Lane.Overflow.DEFER:
+            raise BacklogFull(
+                f"Admission for best-effort work in lane {lane.name} closes at {lane.early_close_pct}% of its backlog; retry later.",
+                retry_after=retry_after, lane=lane.name,
+            )
+    if waiting < lane.max_queued:
+        return False
+    if lane.overflow_policy == Lane.Overflow.REJECT:
+        raise BacklogFull(f"Lane {lane.name} has {waiting} tasks waiting (its limit); retry later.",
+                          retry_after=retry_after, lane=lane.name)
+    if lane.overflow_policy == Lane.Overflow.SHED_OLDEST:
+        oldest = (
+            Task.objects.filter(lane=lane, state=State.QUEUED, dispatched_at__isnull=True)
+            .order_by("queued_at", "created_at").values("pk", "generation").first()
+        )
+        if oldest is None or not task_move(
+            oldest["pk"], source=State.QUEUED, target=State.EXPIRED, generation=oldest["generation"],
+            actor="admission", reason=f"shed: lane {lane.name} was full and dropped its oldest waiting task",
+            fields=dict(error_code="shed", error_message="the lane was full; the oldest waiting task was shed"),
+        ):
+            raise BacklogFull(f"Lane {lane.name} is full; retry later.", retry_after=retry_after, lane=lane.name)
+        return False
+    return True
+
+
+def _estimated_units(kind: str, findings: dict[str, Any] | None) -> int | None:
+    if not findings:
+        return None
+    if kind == "transcription" and findings.get("audio_minutes") is not None:
+        import math
+
+        return max(1, math.ceil(findings["audio_minutes"]))
+    if kind == "conversion" and findings.get("pages"):
+        return int(findings["pages"])
+    return None
+
+
+def _uuid_or_none(value: str):
+    import uuid
+
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+# --- after acceptance: pre-check and routing ---------------------------------------------------
+def task_precheck_and_route(task_id: Any, generation: int) -> str:
+    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs in the control cluster."""
+    from tasks.services.execution import Lease
+    from tasks.services.quarantine import file_precheck
+
+    task = Task.objects.select_related("file", "lane", "tenant").filter(pk=task_id).first()
+    if task is None or task.state != State.ACCEPTED or task.generation != generation:
+        return "stale"
+    lease = Lease.claim(task)
+    if lease is None:
+        return "busy"
+    file = task.file
+    if file.precheck_state == FileVersion.Precheck.PENDING:
+        file = file_precheck(file=file)
+    findings = file.precheck_findings or {}
+    if file.precheck_state == FileVersion.Precheck.QUARANTINED:
+        task_move(
+            task.pk, source=State.ACCEPTED, target=State.FAILED, generation=generation, actor="precheck",
+            reason=f"quarantined: {findings.get('reason')}",
+            fields=dict(error_code="quarantined", error_message=f"the file was quarantined ({findings.get('reason')})",
+                        lease_owner="", lease_expires_at=None),
+        )
+        return "quarantined"
+    family = findings.get("family")
+    if family in (filetypes.AUDIO, filetypes.DOCUMENT, filetypes.TEXT) and family not in filetypes.INPUT_FAMILIES[task.kind]:
+        task_move(
+            task.pk, source=State.ACCEPTED, target=State.FAILED, generation=generation, actor="precheck",
+            reason="input does not fit the kind",
+            fields=dict(error_code="input_mismatch",
+                        error_message=f"the file is {family}; {task.kind} needs {' or '.join(sorted(filetypes.INPUT_FAMILIES[task.kind]))}",
+                        lease_owner="", lease_expires_at=None),
+        )
+        return "input_mismatch"
+    released = bool(findings.get("released"))
+    lane = Lane.objects.get(pk=ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released))
+    units = _estimated_units(task.kind, findings)
+    from tasks.scheduling.dispatch import dispatch_soon, lane_has_room
+
+    if task.deferred or not lane_has_room(lane):
+        Task.objects.filter(pk=task.pk, state=State.ACCEPTED, generation=generation).update(
+            lane=lane, deferred=True, estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None,
+        )
+        return "deferred"
+    now = timezone.now()
+    moved = task_move(
+        task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=generation, actor="precheck",
+        reason=f"pre-check passed; lane {lane.name}",
+        fields=dict(lane=lane, queued_at=now, estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None,
+                    queue_deadline_at=task.created_at + timescale.delta(lane.queue_deadline_s)),
+        data={"lane": lane.name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")},
+    )
+    if moved:
+        dispatch_soon(lane.name)
+    return "queued"

@@ -1,0 +1,96 @@
+"""State changes with the side effects that must commit together with them.
+
+`task_move` wraps lifecycle.transition(): in the same transaction it ends the attempt that was
+running, releases budget reservations when a task finishes, writes the terminal notification
+(an outbox row delivered later, never re-running the task) and dead letters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from tasks import lifecycle
+from tasks.models import Attempt, DeadLetter, Notification, Task
+from tasks.scheduling.budgets import slots_release
+from tasks.states import TERMINAL_STATES, State
+
+EVENT_TYPES = {
+    State.SUCCEEDED: "task.succeeded",
+    State.FAILED: "task.failed",
+    State.CANCELLED: "task.cancelled",
+    State.EXPIRED: "task.expired",
+}
+
+
+def task_move(
+    task_id: Any,
+    *,
+    source: State | str,
+    target: State | str,
+    generation: int,
+    actor: str,
+    reason: str,
+    fields: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    attempt_outcome: str | None = None,
+    dead_letter_class: str | None = None,
+) -> lifecycle.Moved | None:
+    target = State(target)
+    fields = dict(fields or {})
+    now = timezone.now()
+    if target in TERMINAL_STATES:
+        fields.setdefault("finished_at", now)
+        fields.setdefault("due_at", None)
+        fields.setdefault("phase", "")
+    with transaction.atomic():
+        moved = lifecycle.transition(
+            task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
+            fields=fields, data=data,
+        )
+        if moved is None:
+            return None
+        if attempt_outcome:
+            Attempt.objects.filter(task_id=task_id, generation=generation, ended_at__isnull=True).update(
+                ended_at=now,
+                outcome=attempt_outcome,
+                error_code=(fields.get("error_code") or "")[:64],
+                error_class=(data or {}).get("error_class", "")[:32],
+            )
+        if target in TERMINAL_STATES:
+            slots_release(task_id, reason=f"task {target.lower()}")
+            _notification_outbox(task_id, target)
+        if dead_letter_class:
+            task = Task.objects.only("tenant_id", "attempts").get(pk=task_id)
+            DeadLetter.objects.create(
+                task_id=task_id, tenant_id=task.tenant_id, error_class=dead_letter_class,
+                error_code=(fields.get("error_code") or "unknown")[:64], attempts=task.attempts,
+            )
+    return moved
+
+
+def _notification_outbox(task_id: Any, target: State) -> None:
+    task = Task.objects.select_related("tenant").get(pk=task_id)
+    url = task.callback_url or task.tenant.callback_url
+    if not url:
+        return
+    from tasks.services.notifications import event_payload
+
+    Notification.objects.get_or_create(
+        task=task,
+        event_type=EVENT_TYPES[target],
+        defaults=dict(
+            tenant=task.tenant, url=url, payload=event_payload(task, EVENT_TYPES[target]), next_attempt_at=timezone.now()
+        ),
+    )
+
+
+def open_attempt(task_id: Any, generation: int) -> Attempt | None:
+    return Attempt.objects.filter(task_id=task_id, generation=generation).first()
+
+
+def attempts_unended(task_id: Any) -> Q:
+    return Q(task_id=task_id, ended_at__isnull=True)

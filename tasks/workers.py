@@ -1,0 +1,72 @@
+"""django-q2 entry points. Each parses its message and calls one service; the task table decides
+whether there is anything to do (a stale or duplicated message does nothing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import close_old_connections
+
+from tasks.observability import log_event
+
+
+def run_step(step: str, task_id: str, generation: int) -> str:
+    from tasks.scheduling.dispatch import dispatch_soon
+    from tasks.services import execution, intake
+
+    handlers = {
+        "precheck": intake.task_precheck_and_route,
+        "start": execution.step_start,
+        "poll": execution.step_poll,
+        "reconcile": execution.step_reconcile,
+        "cancel": execution.step_cancel,
+    }
+    close_old_connections()
+    outcome = handlers[step](task_id, int(generation))
+    log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome)
+    if step != "precheck" and outcome not in ("stale", "busy", "lost_claim"):
+        from tasks.models import Task
+        from tasks.states import IN_FLIGHT_STATES
+
+        row = Task.objects.filter(pk=task_id).values("lane_id", "state").first()
+        if row and row["state"] not in IN_FLIGHT_STATES:
+            # The task left its slot: let the next one in.
+            dispatch_soon(row["lane_id"])
+    return outcome
+
+
+def run_notification(notification_id: int) -> str:
+    from tasks.services.notifications import notification_deliver
+
+    close_old_connections()
+    return notification_deliver(notification_id=int(notification_id))
+
+
+def run_vendor_job_cleanup(vendor_job_pk: int) -> str:
+    from tasks.services.execution import step_vendor_job_cleanup
+
+    close_old_connections()
+    return step_vendor_job_cleanup(int(vendor_job_pk))
+
+
+def run_probe(channel_name: str) -> str:
+    from tasks.services.execution import step_probe
+
+    close_old_connections()
+    return step_probe(channel_name)
+
+
+def run_sweep() -> dict[str, Any]:
+    """The django-q2 schedule's safety net when no dispatcher loop is running."""
+    from tasks.scheduling.dispatch import tick
+
+    close_old_connections()
+    return tick()
+
+
+def run_housekeeping() -> dict[str, int]:
+    """Retention and orphans: results past retention, unreferenced outputs, expired quarantine, old keys."""
+    from tasks.services.housekeeping import housekeeping
+
+    close_old_connections()
+    return housekeeping()

@@ -1,0 +1,223 @@
+"""Intake through the tasks API: 202 means durable; bad input gets problem+json and stores nothing."""
+
+import json
+
+import pytest
+
+from tasks.models import FileVersion, IdempotencyRecord, Task, TaskEvent
+from tasks.services.tenancy import tenant_ensure, token_issue
+from tests.support import files
+
+pytestmark = pytest.mark.django_db
+
+
+def upload(api, content: bytes, name: str = "a.wav"):
+    return api.post("/api/v1/files", data=content, content_type="application/octet-stream", HTTP_X_FILENAME=name)
+
+
+def submit(api, body: dict, key: str | None = None):
+    extra = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+    return api.post("/api/v1/tasks", data=json.dumps(body), content_type="application/json", **extra)
+
+
+def test_upload_then_submit_answers_202_with_a_status_url_and_the_task_is_durable(api):
+    stored = upload(api, files.wav())
+    assert stored.status_code == 201
+    body = stored.json()
+    assert body["detected_type"] == "audio/x-wav" and body["size"] > 0 and len(body["sha256"]) == 64
+    answer = submit(api, {"file_id": body["id"], "kind": "transcription", "target_format": "srt"})
+    assert answer.status_code == 202
+    accepted = answer.json()
+    assert accepted["state"] == "ACCEPTED" and answer["Location"] == accepted["status_url"]
+    task = Task.objects.get(pk=accepted["id"])
+    assert TaskEvent.objects.filter(task=task, to_state="ACCEPTED").exists()
+    status = api.get(f"/api/v1/tasks/{task.pk}").json()
+    assert status["state"] == "ACCEPTED" and status["kind"] == "transcription" and status["result"] is None
+
+
+def test_the_stored_path_never_comes_from_the_filename(api):
+    body = upload(api, files.text(), name="../../etc/passwd.txt").json()
+    version = FileVersion.objects.get(pk=body["id"])
+    assert "passwd" not in version.storage_name and ".." not in version.storage_name
+    assert version.path.read_bytes() == files.text()
+
+
+def test_multipart_upload_is_accepted_too(api):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    answer = api.post("/api/v1/files", data={"file": SimpleUploadedFile("doc.pdf", files.pdf(2), "application/pdf")})
+    assert answer.status_code == 201 and answer.json()["detected_type"] == "application/pdf"
+
+
+@pytest.mark.parametrize(
+    "headers,status,code",
+    [({}, 401, "unauthenticated"), ({"HTTP_AUTHORIZATION": "Bearer slu_nope_nope"}, 401, "unauthenticated")],
+)
+def test_missing_or_unknown_token_is_401(client, headers, status, code):
+    answer = client.get("/api/v1/tasks", **headers)
+    assert answer.status_code == status
+    assert answer["Content-Type"] == "application/problem+json" and answer.json()["code"] == code
+
+
+def test_empty_file_is_refused_and_nothing_is_stored(api):
+    answer = upload(api, b"")
+    assert answer.status_code == 400 and answer.json()["code"] == "empty_file"
+    assert FileVersion.objects.count() == 0
+
+
+def test_file_over_the_limit_is_413_and_nothing_is_stored(api, settings):
+    settings.MAX_UPLOAD_BYTES = 1000
+    answer = upload(api, b"x" * 5000, name="big.txt")
+    assert answer.status_code == 413 and answer.json()["code"] == "file_too_large"
+    assert FileVersion.objects.count() == 0
+    assert not any(p.is_file() for p in settings.FILES_DIR.rglob("*.partial"))
+
+
+def test_images_are_unsupported_types(api):
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 100
+    answer = upload(api, png, name="x.png")
+    assert answer.status_code == 415 and answer.json()["code"] == "unsupported_type"
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"kind": "transcription", "target_format": "srt"}, "file_id"),
+        ({"file_id": "F", "kind": "painting", "target_format": "srt"}, "kind"),
+        ({"file_id": "F", "kind": "transcription", "target_format": "docx"}, "target_format"),
+        ({"file_id": "F", "kind": "transcription", "target_format": "srt", "priority": "urgent"}, "priority"),
+        ({"file_id": "F", "kind": "transcription", "target_format": "srt", "deadline_s": 1}, "deadline_s"),
+        ({"file_id": "F", "kind": "transcription", "target_format": "srt", "callback_url": "ftp://x"}, None),
+        ({"file_id": "F", "kind": "transcription", "target_format": "srt", "colour": "red"}, "colour"),
+    ],
+)
+def test_invalid_submissions_name_what_to_fix_and_store_nothing(api, body, field):
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {k: (file_id if v == "F" else v) for k, v in body.items()}
+    answer = submit(api, body, key="k-invalid")
+    assert answer.status_code == 400
+    problem = answer.json()
+    assert problem["code"] == "invalid_request" and problem["detail"]
+    if field:
+        assert problem["field"] == field
+    assert Task.objects.count() == 0
+    assert not IdempotencyRecord.objects.exists()  # a refusal does not burn the key
+
+
+def test_malformed_json_is_a_problem_not_a_500(api):
+    answer = api.post("/api/v1/tasks", data="{not json", content_type="application/json")
+    assert answer.status_code == 400 and answer.json()["code"] == "invalid_request"
+
+
+def test_unknown_file_is_404_file_not_found(api):
+    answer = submit(api, {"file_id": "00000000-0000-0000-0000-000000000000", "kind": "transcription", "target_format": "txt"})
+    assert answer.status_code == 404 and answer.json()["code"] == "file_not_found"
+
+
+def test_transcribing_a_pdf_is_refused_with_an_actionable_message(api):
+    file_id = upload(api, files.pdf(), name="a.pdf").json()["id"]
+    answer = submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"})
+    assert answer.status_code == 400 and "audio" in answer.json()["detail"]
+
+
+def test_same_key_same_request_replays_the_original_task(api):
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "params": {"language": "en"}}
+    first = submit(api, body, key="order-1")
+    again = submit(api, {**body, "params": {"language": "en"}}, key="order-1")
+    assert first.status_code == again.status_code == 202
+    assert again.json()["id"] == first.json()["id"] and again["Idempotent-Replayed"] == "true"
+    assert Task.objects.count() == 1
+
+
+def test_same_key_different_request_is_422_mismatch(api):
+    file_id = upload(api, files.wav()).json()["id"]
+    submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}, key="order-2")
+    answer = submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "srt"}, key="order-2")
+    assert answer.status_code == 422 and answer.json()["code"] == "idempotency_key_mismatch"
+    assert Task.objects.count() == 1
+
+
+def test_same_key_while_the_first_is_being_accepted_is_409_in_use(api, tenant):
+    from django.utils import timezone
+
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
+    from tasks.services.intake import validate_submission
+
+    IdempotencyRecord.objects.create(tenant=tenant, key="order-3", fingerprint=validate_submission(body).fingerprint(),
+                                     locked_at=timezone.now())
+    answer = submit(api, body, key="order-3")
+    assert answer.status_code == 409 and answer.json()["code"] == "idempotency_key_in_use"
+    assert answer["Retry-After"] == "1"
+
+
+def test_keys_are_per_tenant(api, client):
+    other = tenant_ensure(name="globex")
+    other_token = token_issue(tenant=other).token
+    file_id = upload(api, files.wav()).json()["id"]
+    submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}, key="shared-key")
+    client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {other_token}"
+    their_file = upload(client, files.wav()).json()["id"]
+    answer = submit(client, {"file_id": their_file, "kind": "transcription", "target_format": "txt"}, key="shared-key")
+    assert answer.status_code == 202 and Task.objects.count() == 2
+
+
+def test_another_tenants_token_gets_404_on_every_file_and_task_endpoint(api, client):
+    file_id = upload(api, files.wav()).json()["id"]
+    task_id = submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}).json()["id"]
+    other_token = token_issue(tenant=tenant_ensure(name="initech")).token
+    client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {other_token}"
+    for method, path in [
+        ("get", f"/api/v1/files/{file_id}"),
+        ("get", f"/api/v1/tasks/{task_id}"),
+        ("get", f"/api/v1/tasks/{task_id}/events"),
+        ("post", f"/api/v1/tasks/{task_id}/cancel"),
+        ("get", f"/api/v1/tasks/{task_id}/result"),
+        ("post", f"/api/v1/tasks/{task_id}/result-link"),
+    ]:
+        answer = getattr(client, method)(path)
+        assert answer.status_code == 404, path
+    answer = submit(client, {"file_id": file_id, "kind": "transcription", "target_format": "txt"})
+    assert answer.status_code == 404 and answer.json()["code"] == "file_not_found"
+    assert client.get("/api/v1/tasks").json()["data"] == []
+    assert Task.objects.get(pk=task_id).state == "ACCEPTED"
+
+
+def test_cancel_before_start_is_immediate_and_a_second_cancel_is_409(api):
+    file_id = upload(api, files.wav()).json()["id"]
+    task_id = submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}).json()["id"]
+    answer = api.post(f"/api/v1/tasks/{task_id}/cancel")
+    assert answer.status_code == 202 and answer.json()["state"] == "CANCELLED"
+    again = api.post(f"/api/v1/tasks/{task_id}/cancel")
+    assert again.status_code == 409 and again.json()["code"] == "already_finished"
+
+
+def test_result_before_success_is_409_not_ready(api):
+    file_id = upload(api, files.wav()).json()["id"]
+    task_id = submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}).json()["id"]
+    answer = api.get(f"/api/v1/tasks/{task_id}/result")
+    assert answer.status_code == 409 and answer.json()["code"] == "not_ready"
+
+
+def test_list_paginates_with_a_cursor_and_filters_by_state(api):
+    file_id = upload(api, files.wav()).json()["id"]
+    ids = [submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}).json()["id"] for _ in range(5)]
+    page = api.get("/api/v1/tasks?limit=2").json()
+    seen = [t["id"] for t in page["data"]]
+    while page["next_cursor"]:
+        page = api.get(f"/api/v1/tasks?limit=2&cursor={page['next_cursor']}").json()
+        seen += [t["id"] for t in page["data"]]
+    assert sorted(seen) == sorted(ids) and len(seen) == 5
+    assert api.get("/api/v1/tasks?state=SUCCEEDED").json()["data"] == []
+    assert api.get("/api/v1/tasks?state=DONE").status_code == 400
+    assert api.get("/api/v1/tasks?limit=0").status_code == 400
+    assert api.get("/api/v1/tasks?cursor=garbage!").status_code == 400
+
+
+def test_openapi_describes_every_endpoint(client):
+    document = client.get("/api/v1/openapi.json").json()
+    assert document["openapi"].startswith("3.")
+    for path in ["/api/v1/files", "/api/v1/tasks", "/api/v1/tasks/{task_id}", "/api/v1/tasks/{task_id}/cancel",
+                 "/api/v1/tasks/{task_id}/result"]:
+        assert path in document["paths"]

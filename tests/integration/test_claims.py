@@ -1,0 +1,94 @@
+"""Claims and fencing: one winner per race, and a fenced attempt can change nothing."""
+
+import threading
+
+import pytest
+from django.db import connection
+
+from tasks import lifecycle
+from tasks.models import Task, TaskEvent, VendorJob
+from tasks.services import execution
+from tasks.states import State
+from tests.support.flows import route, submit_file
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def dispatched_task(api) -> Task:
+    task = route(submit_file(api))
+    assert task.state == "QUEUED" and task.dispatched_at is not None, task.state
+    return task
+
+
+def test_two_claimers_racing_for_one_task_have_exactly_one_winner(vendor, api):
+    task = dispatched_task(api)
+    barrier = threading.Barrier(2)
+    outcomes: list[str] = []
+
+    def claim():
+        try:
+            barrier.wait()
+            outcomes.append(execution.step_start(task.pk, task.generation))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claim) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["lost_claim", "started"] or sorted(outcomes) == ["stale", "started"], outcomes
+    assert TaskEvent.objects.filter(task=task, to_state="RUNNING").count() == 1
+    assert VendorJob.objects.filter(task=task).count() == 1
+    assert vendor.control.invariants()["billed_jobs"] == 1
+
+
+def test_a_duplicated_start_message_after_the_claim_does_nothing(vendor, api):
+    task = dispatched_task(api)
+    assert execution.step_start(task.pk, task.generation) == "started"
+    assert execution.step_start(task.pk, task.generation) == "stale"
+    assert vendor.control.invariants()["billed_jobs"] == 1
+
+
+def test_a_fenced_attempt_cannot_write_state_or_results(vendor, api):
+    task = dispatched_task(api)
+    execution.step_start(task.pk, task.generation)
+    running = Task.objects.get(pk=task.pk)
+    assert running.state == "RUNNING"
+    # The watchdog fences the attempt (generation bump)...
+    moved = lifecycle.transition(running.pk, source=State.RUNNING, target=State.RECONCILING,
+                                 generation=running.generation, actor="test", reason="fence")
+    assert moved is not None
+    # ...so whatever the old attempt tries afterwards loses its compare-and-set.
+    assert lifecycle.transition(running.pk, source=State.RUNNING, target=State.SUCCEEDED,
+                                generation=running.generation, actor="old", reason="late") is None
+    assert not lifecycle.task_update(running.pk, state=State.RUNNING, generation=running.generation, result_sha256="x")
+    assert execution.step_poll(running.pk, running.generation) == "stale"
+    after = Task.objects.get(pk=task.pk)
+    assert after.state == "RECONCILING" and after.result_sha256 == ""
+
+
+def test_every_allowed_transition_writes_an_event_and_every_other_is_refused(db, api):
+    task = Task.objects.get(pk=submit_file(api))
+    for source in State:
+        for target in State:
+            Task.objects.filter(pk=task.pk).update(state=source)
+            generation = Task.objects.get(pk=task.pk).generation
+            if lifecycle.is_allowed(source, target):
+                assert lifecycle.transition(task.pk, source=source, target=target, generation=generation,
+                                            actor="t", reason="walk") is not None
+                assert TaskEvent.objects.filter(task=task, from_state=source, to_state=target).exists()
+            else:
+                with pytest.raises(lifecycle.IllegalTransition):
+                    lifecycle.transition(task.pk, source=source, target=target, generation=generation,
+                                         actor="t", reason="walk")
+
+
+def test_state_and_generation_cannot_be_smuggled_in_as_extra_fields(db, api):
+    task = Task.objects.get(pk=submit_file(api))
+    with pytest.raises(lifecycle.IllegalTransition):
+        lifecycle.transition(task.pk, source=task.state, target=State.QUEUED, generation=task.generation,
+                             actor="t", reason="x", fields={"generation": 99})
+    with pytest.raises(lifecycle.IllegalTransition):
+        lifecycle.task_update(task.pk, state=task.state, generation=task.generation, tenant_id=None)
+    assert Task.objects.get(pk=task.pk).state == "ACCEPTED"

@@ -1,0 +1,76 @@
+"""End to end: intake, real django-q2 workers, the dispatcher and the real fake vendor over HTTP."""
+
+import pytest
+from django_q.brokers import get_broker
+
+from tasks.models import Task, TaskEvent, VendorJob
+from tasks.queueing import control_cluster, send_step
+from tests.conftest import wait_for
+from tests.support import files
+from tests.support.flows import state, submit_file
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def test_a_submitted_task_succeeds_and_its_result_matches_its_digest(system, vendor, api):
+    task_id = submit_file(api, files.wav(3), kind="transcription", target="srt")
+    wait_for(lambda: state(task_id) in ("SUCCEEDED", "FAILED"), timeout=60, message="a terminal state")
+    task = Task.objects.get(pk=task_id)
+    assert task.state == "SUCCEEDED", (task.error_code, task.error_message)
+    download = api.get(f"/api/v1/tasks/{task_id}/result")
+    body = b"".join(download.streaming_content)
+    import hashlib
+
+    assert download["X-Content-SHA256"] == hashlib.sha256(body).hexdigest() == task.result_sha256
+    assert b"-->" in body  # an SRT transcript
+    invariants = vendor.control.invariants()
+    assert invariants["billed_jobs"] == 1 and invariants["duplicate_billed_client_refs"] == []
+    steps = list(TaskEvent.objects.filter(task=task).values_list("to_state", flat=True))
+    assert [s for s in steps if s] == ["ACCEPTED", "QUEUED", "RUNNING", "SUCCEEDED"]
+
+
+def test_a_conversion_through_the_inline_fallback_channel(system, vendor, api):
+    from tasks.models import VendorChannel
+
+    VendorChannel.objects.filter(name="primary").update(enabled=False)
+    task_id = submit_file(api, files.docx(), name="report.docx", kind="conversion", target="pdf", priority="batch")
+    wait_for(lambda: state(task_id) in ("SUCCEEDED", "FAILED"), timeout=60, message="a terminal state")
+    task = Task.objects.get(pk=task_id)
+    assert task.state == "SUCCEEDED", task.error_message
+    assert task.channel_id == "fallback" and task.result_content_type == "application/pdf"
+
+
+def test_a_lost_dispatch_message_is_sent_again_and_the_task_still_runs(vendor, api, tmp_path):
+    from tasks.system import Stack
+    from tests.conftest import TEST_TIME_SCALE
+
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
+    try:
+        task_id = submit_file(api, files.wav())
+        # The broker loses the message sent right after the commit.
+        get_broker(control_cluster()).purge_queue()
+        assert state(task_id) == "ACCEPTED"
+        stack.start_dispatcher()
+        stack.start_all_clusters(workers=1)
+        wait_for(lambda: state(task_id) == "SUCCEEDED", timeout=60, message="recovery of the lost message")
+    finally:
+        stack.stop_all()
+    assert vendor.control.invariants()["billed_jobs"] == 1
+
+
+def test_duplicated_messages_run_nothing_twice(system, vendor, api):
+    task_id = submit_file(api, files.wav())
+    wait_for(lambda: state(task_id) == "SUCCEEDED", timeout=60, message="success")
+    task = Task.objects.get(pk=task_id)
+    events_before = TaskEvent.objects.filter(task=task).count()
+    requests_before = len(vendor.control.journal())
+    for step in ("precheck", "start", "poll", "reconcile", "cancel"):
+        for generation in range(task.generation + 1):
+            send_step(step, task.pk, generation, lane=None if step == "precheck" else task.lane_id)
+    import time
+
+    time.sleep(2)
+    assert state(task_id) == "SUCCEEDED"
+    assert TaskEvent.objects.filter(task=task).count() == events_before
+    assert len(vendor.control.journal()) == requests_before
+    assert VendorJob.objects.filter(task=task).count() == 1

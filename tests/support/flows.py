@@ -1,0 +1,35 @@
+"""Helpers that drive Sluice the way its users do (API calls) and read what happened."""
+
+from __future__ import annotations
+
+import json
+
+from django.test import Client
+
+from tasks.models import Task
+from tests.support import files
+
+
+def submit_file(api: Client, content: bytes | None = None, *, name: str = "a.wav", kind: str = "transcription",
+                target: str = "txt", priority: str = "interactive", key: str | None = None, **extra) -> str:
+    content = files.wav() if content is None else content
+    stored = api.post("/api/v1/files", data=content, content_type="application/octet-stream", HTTP_X_FILENAME=name)
+    assert stored.status_code == 201, stored.content
+    body = {"file_id": stored.json()["id"], "kind": kind, "target_format": target, "priority": priority, **extra}
+    headers = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+    answer = api.post("/api/v1/tasks", data=json.dumps(body), content_type="application/json", **headers)
+    assert answer.status_code == 202, answer.content
+    return answer.json()["id"]
+
+
+def route(task_id: str) -> Task:
+    """Run the pre-check and routing step in this process (as the control cluster would)."""
+    from tasks.services.intake import task_precheck_and_route
+
+    task = Task.objects.get(pk=task_id)
+    task_precheck_and_route(task.pk, task.generation)
+    return Task.objects.get(pk=task_id)
+
+
+def state(task_id: str) -> str:
+    return Task.objects.values_list("state", flat=True).get(pk=task_id)
