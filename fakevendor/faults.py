@@ -238,11 +238,17 @@ class RequestFacts:
 
 @dataclass(frozen=True)
 class Decision:
+    """A matching rule's verdict for one request; type "ok" means it matched but did not fire."""
+
     rule_id: str
     type: str
     params: dict[str, Any]
     draw: float | None
     rng: random.Random
+
+    @property
+    def applied(self) -> bool:
+        return self.type != "ok"
 
 
 class FaultEngine:
@@ -291,7 +297,7 @@ class FaultEngine:
         return self._rngs[rule_id]
 
     def decide(self, facts: RequestFacts, family: str) -> Decision | None:
-        """The fault of `family` this request gets, if any. Counts the match either way."""
+        """The rule of `family` this request matched (its type "ok" if it did not fire), if any."""
         with self._lock:
             candidates = sorted(
                 (r for r in self.rules if family in r.families() and _matches(r, facts)),
@@ -308,15 +314,13 @@ class FaultEngine:
                 if rule.probability < 1.0:
                     draw = rng.random()
                     if draw >= rule.probability:
-                        return None
+                        return Decision(rule_id=rule.id, type="ok", params=rule.params, draw=draw, rng=rng)
                 if rule.sequence is not None:
                     index = rule.matched - rule.after - 1
                     if index >= len(rule.sequence):
                         continue
                     kind = rule.sequence[index]
                     rule.applied += 1
-                    if kind == "ok":
-                        return None
                 else:
                     kind = rule.type
                     rule.applied += 1

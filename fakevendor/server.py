@@ -84,11 +84,9 @@ class Connection:
         self.closed = False
 
     async def next_event(self) -> Any:
+        """The next request (a malformed one raises h11.RemoteProtocolError: answered 400)."""
         while True:
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError:
-                raise ClientGone() from None
+            event = self.h11.next_event()
             if event is h11.NEED_DATA:
                 data = await self.reader.read(READ_SIZE)
                 self.h11.receive_data(data)
@@ -124,12 +122,13 @@ class Connection:
                 if reset_after is not None:
                     size = max(1, min(size, reset_after - total))
                 data = await self.reader.read(size)
-                if bytes_per_s and data:
-                    await asyncio.sleep(len(data) / bytes_per_s)
                 self.h11.receive_data(data)
                 continue
             if isinstance(event, h11.Data):
                 chunk = bytes(event.data)
+                if bytes_per_s:
+                    # Throttle what we consume, including bytes already buffered with the headers.
+                    await asyncio.sleep(len(chunk) / bytes_per_s)
                 if reset_after is not None and total + len(chunk) >= reset_after:
                     request.bytes_in = reset_after
                     self.reset()
@@ -281,9 +280,10 @@ class FakeVendor:
                     break
         except (ClientGone, Aborted, ConnectionError, OverflowError):
             pass
-        except h11.RemoteProtocolError:
+        except h11.RemoteProtocolError as exc:
+            status = getattr(exc, "error_status_hint", 400)
             try:
-                writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                writer.write(f"HTTP/1.1 {status} Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
                 await writer.drain()
             except ConnectionError:
                 pass
@@ -359,6 +359,8 @@ class FakeVendor:
         wire = self.faults.decide(facts, "wire")
         if wire:
             request.rule_id, request.draw = wire.rule_id, wire.draw
+            wire = wire if wire.applied else None
+        if wire:
             early = await self._wire_before(conn, request, wire, channel)
             if early is not None:
                 return early
@@ -580,10 +582,11 @@ class FakeVendor:
             await self._discard_body(conn, request)
             return _problem_tuple(400, "invalid_request", "Idempotency-Key must be 1-255 characters.")
         create = self.faults.decide(facts, "create")
+        if create is not None and request.rule_id is None:
+            request.rule_id, request.draw = create.rule_id, create.draw
+        create = create if create is not None and create.applied else None
         ignore_keys = create is not None and create.type == "ignore_idempotency"
         copies = int(create.params["copies"]) if create is not None and create.type == "duplicate_create" else 1
-        if create is not None and request.rule_id is None:
-            request.rule_id = create.rule_id
         inline = not request.headers.get("content-type", "").startswith("application/json")
         existing = None
         if key and not ignore_keys:
@@ -667,6 +670,7 @@ class FakeVendor:
                 return _problem_tuple(429, "too_many_jobs", "Too many jobs in flight.", retryable=True,
                                       extra=[("Retry-After", "2")])
         job_rules = self.faults.decide(facts, "job")
+        job_rules = job_rules if job_rules is not None and job_rules.applied else None
         created = [self._new_job(name, channel, fields, options, key, input_path, size, sha, job_rules) for _ in range(copies)]
         first = created[0]
         request.job_id = first["id"]

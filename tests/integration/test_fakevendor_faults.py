@@ -1,0 +1,407 @@
+"""Every fault of the fake vendor, observed from the client side over real sockets."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import httpx
+import pytest
+
+from fakevendor.control import ControlError, VendorControl
+from tests.conftest import CHANNEL_DEFAULTS, TEST_TIME_SCALE
+
+KEY = "dev-vendor-key"
+SCALE = TEST_TIME_SCALE
+
+
+@pytest.fixture
+def fake(vendor_server, settings):
+    control = VendorControl(vendor_server, settings.FAKEVENDOR_ADMIN_TOKEN)
+    control.reset()
+    control.set_seed(1)
+    control.channel("default", **CHANNEL_DEFAULTS)
+    return control
+
+
+@pytest.fixture
+def http(vendor_server):
+    with httpx.Client(base_url=vendor_server, headers={"Authorization": f"Bearer {KEY}"}, timeout=5) as client:
+        yield client
+
+
+def upload(http, data: bytes = b"x" * 1000, **kw):
+    return http.post("/v1/uploads", content=data, headers={"Content-Type": "application/octet-stream"}, **kw)
+
+
+def create(http, upload_id: str, *, key: str = "k1", client_ref: str = "ref-1", kind: str = "transcription",
+           target: str = "txt", **kw):
+    body = {"upload_id": upload_id, "kind": kind, "target_format": target, "client_ref": client_ref, "options": {}}
+    return http.post("/v1/jobs", json=body, headers={"Idempotency-Key": key}, **kw)
+
+
+def ledger(http, client_ref: str | None = None) -> list[dict]:
+    params = {"client_ref": client_ref} if client_ref else {}
+    return http.get("/v1/usage", params=params).json()["data"]
+
+
+# --- wire faults ---------------------------------------------------------------------------------
+def test_fixed_delay_slows_the_answer(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "delay", "params": {"ms": 4000}})
+    started = time.monotonic()
+    assert http.get("/v1/jobs", params={"client_ref": "x"}).status_code == 200
+    assert time.monotonic() - started >= 4 * SCALE
+
+
+def test_uniform_and_lognormal_delays_are_accepted_and_bounded(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "delay", "params": {"lower_ms": 100, "upper_ms": 200}})
+    assert http.get("/v1/jobs", params={"client_ref": "x"}).status_code == 200
+    fake.clear_rules()
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "delay", "params": {"median_ms": 100, "sigma": 0.5, "max_ms": 300}})
+    started = time.monotonic()
+    assert http.get("/v1/jobs", params={"client_ref": "x"}).status_code == 200
+    assert time.monotonic() - started < 300 * SCALE / 1000 + 1
+
+
+def test_a_stall_without_end_is_a_read_timeout(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "stall", "params": {"ms": None}})
+    with pytest.raises(httpx.ReadTimeout):
+        http.get("/v1/jobs", params={"client_ref": "x"}, timeout=httpx.Timeout(5, read=0.5))
+
+
+def test_a_finite_stall_answers_late(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "stall", "params": {"ms": 10000}})
+    with pytest.raises(httpx.ReadTimeout):
+        http.get("/v1/jobs", params={"client_ref": "x"}, timeout=httpx.Timeout(5, read=0.2))
+    fake.clear_rules()
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "stall", "params": {"ms": 6000}})
+    started = time.monotonic()
+    assert http.get("/v1/jobs", params={"client_ref": "x"}, timeout=5).status_code == 200
+    assert time.monotonic() - started >= 6 * SCALE
+
+
+def test_dribble_sends_the_answer_in_slow_pieces(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "dribble", "params": {"chunks": 4, "total_ms": 8000}})
+    create(http, up["upload_id"])
+    pieces = []
+    started = time.monotonic()
+    with http.stream("GET", "/v1/usage") as response:
+        for chunk in response.iter_raw():
+            pieces.append(time.monotonic() - started)
+    assert len(pieces) >= 3 and pieces[-1] >= 8 * SCALE * 0.7
+
+
+def test_bandwidth_limits_how_fast_an_upload_is_read(fake, http):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "bandwidth", "params": {"bytes_per_s": 50_000}})
+    data = os.urandom(200_000)
+    started = time.monotonic()
+    assert upload(http, data).status_code == 201
+    assert time.monotonic() - started >= 200_000 / (50_000 / SCALE) * 0.8
+
+
+def test_http_error_with_status_code_and_body(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs/*", "type": "http_error", "params": {"status": 502, "code": "bad_gateway"}})
+    answer = http.get("/v1/jobs/job_x")
+    assert answer.status_code == 502 and answer.json()["code"] == "bad_gateway"
+    assert answer.headers["Content-Type"] == "application/problem+json"
+
+
+def test_rate_limit_with_retry_after_in_seconds(fake, http):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "rate_limit", "params": {"retry_after_s": 7}})
+    answer = upload(http)
+    assert answer.status_code == 429 and answer.headers["Retry-After"] == "7"
+    for header in ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"):
+        assert header in answer.headers
+
+
+def test_rate_limit_with_retry_after_as_an_http_date(fake, http):
+    from tasks.vendor.policies import parse_retry_after
+
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "rate_limit",
+                   "params": {"retry_after_s": 9, "retry_after_date": True, "status": 503}})
+    answer = upload(http)
+    assert answer.status_code == 503
+    assert answer.headers["Retry-After"].endswith("GMT")
+    assert 8 <= parse_retry_after(answer.headers["Retry-After"], date_header=answer.headers["Date"]) <= 10
+
+
+def _server_reset_seen(exc: BaseException) -> bool:
+    text = repr(exc) + repr(exc.__cause__) + repr(exc.__context__)
+    return "reset" in text.lower() or "broken pipe" in text.lower() or isinstance(exc, httpx.RemoteProtocolError)
+
+
+def test_reset_before_the_body_is_a_real_tcp_reset(fake, http):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "reset", "params": {"stage": "before_body"}})
+    with pytest.raises((httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)) as info:
+        upload(http, os.urandom(4 * 1024 * 1024))
+    assert _server_reset_seen(info.value)
+
+
+def test_reset_in_the_middle_of_an_upload_after_n_bytes(fake, http):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "reset", "params": {"stage": "mid_body", "after_bytes": 300_000}})
+    with pytest.raises((httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
+        upload(http, os.urandom(8 * 1024 * 1024))
+    entry = [e for e in fake.journal() if e["endpoint"] == "POST /v1/uploads"][-1]
+    assert entry["bytes_in"] == 300_000 and entry["outcome"] == "reset mid-body"
+    assert fake.invariants()["billed_jobs"] == 0
+
+
+def test_close_without_any_response(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "close"})
+    with pytest.raises(httpx.RemoteProtocolError):
+        http.get("/v1/jobs", params={"client_ref": "x"})
+
+
+def test_garbage_then_close(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "garbage", "params": {"bytes": 32}})
+    with pytest.raises(httpx.RemoteProtocolError):
+        http.get("/v1/jobs", params={"client_ref": "x"})
+
+
+@pytest.mark.parametrize("mode,errors", [
+    ("reset", (httpx.ReadError, httpx.RemoteProtocolError)),
+    ("close", (httpx.RemoteProtocolError,)),
+    ("stall", (httpx.ReadTimeout,)),
+])
+def test_response_lost_leaves_one_billed_job_and_no_answer(fake, http, mode, errors):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": mode}, "times": 1})
+    with pytest.raises(errors):
+        create(http, up["upload_id"], timeout=httpx.Timeout(5, read=0.5))
+    assert len(ledger(http, "ref-1")) == 1
+    jobs = http.get("/v1/jobs", params={"client_ref": "ref-1"}).json()["data"]
+    assert len(jobs) == 1
+    # The same key then replays that job instead of billing another.
+    replay = create(http, up["upload_id"])
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.json()["id"] == jobs[0]["id"] and len(ledger(http, "ref-1")) == 1
+
+
+# --- create and job faults ---------------------------------------------------------------------
+def test_ignore_idempotency_bills_twice_for_one_key(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "ignore_idempotency"})
+    first, second = create(http, up["upload_id"]), create(http, up["upload_id"])
+    assert first.status_code == second.status_code == 201 and first.json()["id"] != second.json()["id"]
+    assert len(ledger(http, "ref-1")) == 2
+    assert fake.invariants()["duplicate_billed_client_refs"][0]["client_ref"] == "ref-1"
+
+
+def test_duplicate_create_bills_n_jobs_for_one_request(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "duplicate_create", "params": {"copies": 3}})
+    assert create(http, up["upload_id"]).status_code == 201
+    assert len(ledger(http, "ref-1")) == 3
+    assert len(http.get("/v1/jobs", params={"client_ref": "ref-1"}).json()["data"]) == 3
+
+
+def test_job_fail_with_a_code(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "job_fail", "params": {"code": "bad_audio", "retryable": False}})
+    job = create(http, up["upload_id"]).json()
+    time.sleep((CHANNEL_DEFAULTS["processing_ms"] + CHANNEL_DEFAULTS["queue_ms"]) / 1000 * SCALE + 0.2)
+    view = http.get(f"/v1/jobs/{job['id']}").json()
+    assert view["status"] == "failed" and view["error"] == {"code": "bad_audio", "message": "processing failed: bad_audio", "retryable": False}
+
+
+def test_stuck_keeps_a_job_processing(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "stuck", "params": {"ms": 600_000}})
+    job = create(http, up["upload_id"]).json()
+    time.sleep(1)
+    assert http.get(f"/v1/jobs/{job['id']}").json()["status"] == "processing"
+
+
+def test_digest_mismatch_in_the_result(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "digest_mismatch"})
+    job = create(http, up["upload_id"]).json()
+    time.sleep(0.3)
+    result = http.get(f"/v1/jobs/{job['id']}/result")
+    assert result.status_code == 200
+    assert result.headers["X-Content-SHA256"] != hashlib.sha256(result.content).hexdigest()
+
+
+def test_transient_404_right_after_create(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "transient_404", "params": {"ms": 8000}})
+    job = create(http, up["upload_id"]).json()
+    assert http.get(f"/v1/jobs/{job['id']}").status_code == 404
+    time.sleep(8 * SCALE + 0.1)
+    assert http.get(f"/v1/jobs/{job['id']}").status_code == 200
+
+
+def test_global_rate_limiter_admits_a_burst_then_429s(fake, http):
+    fake.channel("default", rate_limit_per_s=1, rate_limit_burst=3)
+    statuses = [http.get("/v1/jobs", params={"client_ref": "x"}).status_code for _ in range(6)]
+    assert statuses[:3] == [200, 200, 200] and 429 in statuses[3:]
+
+
+def test_max_concurrent_jobs_rejects_the_excess(fake, http):
+    fake.channel("default", max_concurrent_jobs=2, processing_ms=600_000)
+    up = upload(http).json()
+    answers = [create(http, up["upload_id"], key=f"k{i}", client_ref=f"r{i}").status_code for i in range(3)]
+    assert answers == [201, 201, 429]
+    assert fake.invariants()["max_concurrent_jobs"] == 2
+
+
+def test_idempotency_semantics_201_200_409_422(fake, http):
+    up = upload(http).json()
+    assert create(http, up["upload_id"]).status_code == 201
+    assert create(http, up["upload_id"]).status_code == 200
+    mismatch = create(http, up["upload_id"], target="srt")
+    assert mismatch.status_code == 422 and mismatch.json()["code"] == "idempotency_key_mismatch"
+    # A request with the key still in flight: a slow inline create holds the key.
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "bandwidth", "params": {"bytes_per_s": 2_000}, "times": 1})
+    data = os.urandom(60_000)
+    slow = threading.Thread(target=lambda: http.post(
+        "/v1/jobs", content=data, params={"kind": "transcription", "target_format": "txt", "client_ref": "ref-2"},
+        headers={"Idempotency-Key": "k2", "Content-Type": "application/octet-stream"}))
+    slow.start()
+    time.sleep(0.3)
+    in_use = http.post("/v1/jobs", content=data, params={"kind": "transcription", "target_format": "txt", "client_ref": "ref-2"},
+                       headers={"Idempotency-Key": "k2", "Content-Type": "application/octet-stream"})
+    slow.join()
+    assert in_use.status_code == 409 and in_use.headers["Retry-After"]
+
+
+# --- rules: sequence, after, times, probability, determinism ---------------------------------------
+def test_sequence_after_and_times(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "sequence": ["rate_limit", "ok", "rate_limit"],
+                   "params": {"retry_after_s": 1, "status": 503}, "after": 1})
+    statuses = [http.get("/v1/jobs", params={"client_ref": "x"}).status_code for _ in range(6)]
+    assert statuses == [200, 503, 200, 503, 200, 200]
+    fake.clear_rules()
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "http_error", "params": {"status": 503}, "times": 2})
+    assert [http.get("/v1/jobs", params={"client_ref": "x"}).status_code for _ in range(4)] == [503, 503, 200, 200]
+
+
+def test_the_same_seed_and_request_order_give_the_same_faults(fake, http):
+    def run(seed: int) -> list[int]:
+        fake.reset()
+        fake.set_seed(seed)
+        fake.add_rule({"id": "coin", "endpoint": "GET /v1/jobs", "type": "http_error", "params": {"status": 500}, "probability": 0.5})
+        return [http.get("/v1/jobs", params={"client_ref": "x"}).status_code for _ in range(24)]
+
+    first, again, other = run(42), run(42), run(43)
+    assert first == again
+    assert first != other
+    assert 4 < first.count(500) < 20
+    draws = [e["draw"] for e in fake.journal()]
+    assert all(d is not None for d in draws)
+
+
+def test_match_on_client_ref_and_header(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "match": {"client_ref": "only-me"}, "type": "http_error", "params": {"status": 500}})
+    assert create(http, up["upload_id"], client_ref="someone-else", key="a").status_code == 201
+    assert create(http, up["upload_id"], client_ref="only-me", key="b").status_code == 500
+    fake.add_rule({"endpoint": "* *", "match": {"header": {"X-Canary": "1"}}, "type": "http_error", "params": {"status": 418}})
+    assert http.get("/v1/usage", headers={"X-Canary": "1"}).status_code == 418
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rule,field", [
+    ({"endpoint": "POST /v1/jobs", "type": "explode"}, "type"),
+    ({"endpoint": "POST /v1/jobs", "type": "http_error", "params": {}}, "params.status"),
+    ({"endpoint": "POST /v1/jobs", "type": "rate_limit", "params": {"status": 500}}, "params.status"),
+    ({"endpoint": "jobs", "type": "close"}, "endpoint"),
+    ({"endpoint": "POST /v1/jobs", "type": "close", "probability": 2}, "probability"),
+    ({"endpoint": "POST /v1/jobs", "sequence": ["ok", "boom"]}, "sequence[1]"),
+    ({"endpoint": "POST /v1/jobs", "type": "reset", "params": {"stage": "mid_body"}}, "params.after_bytes"),
+])
+def test_a_malformed_rule_is_400_naming_the_field(fake, rule, field):
+    with pytest.raises(ControlError) as info:
+        fake.add_rule(rule)
+    assert info.value.status == 400 and info.value.field == field
+
+
+def test_control_calls_need_the_admin_token_and_vendor_calls_need_the_api_key(vendor_server):
+    assert httpx.get(f"{vendor_server}/__admin/faults").status_code == 401
+    assert httpx.get(f"{vendor_server}/__admin/faults", headers={"Authorization": f"Bearer {KEY}"}).status_code == 401
+    assert httpx.get(f"{vendor_server}/v1/usage", headers={"Authorization": "Bearer dev-admin-token"}).status_code == 401
+
+
+def _raw(vendor_server: str, payload: bytes, *, wait: float = 1.0) -> bytes:
+    host, port = vendor_server.replace("http://", "").split(":")
+    with socket.create_connection((host, int(port)), timeout=3) as sock:
+        sock.sendall(payload)
+        sock.settimeout(wait)
+        chunks = []
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                chunks.append(data)
+        except (socket.timeout, ConnectionResetError):
+            pass
+    return b"".join(chunks)
+
+
+def test_a_body_longer_than_content_length_is_refused(fake, vendor_server):
+    head = f"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/octet-stream\r\nContent-Length: 5\r\n\r\n"
+    answer = _raw(vendor_server, head.encode() + b"12345EXTRA-BYTES-THAT-ARE-NOT-HTTP\r\n\r\n")
+    assert b" 201 " in answer and b" 400 " in answer  # the upload of 5 bytes, then the garbage refused
+    assert fake.invariants()["billed_jobs"] == 0
+
+
+def test_a_body_shorter_than_content_length_never_becomes_an_upload(fake, vendor_server, http):
+    head = f"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/octet-stream\r\nContent-Length: 500\r\n\r\n"
+    answer = _raw(vendor_server, head.encode() + b"only-forty-bytes-of-the-promised-five-hundred", wait=0.5)
+    assert answer == b""
+    assert [e["outcome"] for e in fake.journal() if e["endpoint"] == "POST /v1/uploads"] == ["client_gone"]
+
+
+def test_signed_callbacks_are_retried_until_acknowledged(fake, http):
+    received: list[tuple[dict, str]] = []
+    attempts = {"n": 0}
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            attempts["n"] += 1
+            if attempts["n"] < 3:
+                self.send_response(503)
+                self.end_headers()
+                return
+            received.append((json.loads(body), self.headers["X-Vendor-Signature"], body))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        up = upload(http).json()
+        body = {"upload_id": up["upload_id"], "kind": "transcription", "target_format": "txt", "client_ref": "cb",
+                "options": {}, "callback_url": f"http://127.0.0.1:{server.server_port}/hook"}
+        job = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "cb"}).json()
+        deadline = time.monotonic() + 10
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server.shutdown()
+    assert received, "no callback arrived"
+    event, signature, raw = received[0]
+    assert event["event"] == "job.completed" and event["job"]["id"] == job["id"] and event["event_id"]
+    expected = hmac.new(CHANNEL_DEFAULTS.get("webhook_secret", "dev-webhook-secret").encode(), raw, hashlib.sha256).hexdigest()
+    assert signature == f"sha256={expected}" and attempts["n"] == 3
+
+
+def test_journal_records_rule_and_outcome_and_reset_clears_it(fake, http):
+    fake.add_rule({"id": "five", "endpoint": "GET /v1/jobs", "type": "http_error", "params": {"status": 500}})
+    http.get("/v1/jobs", params={"client_ref": "x"})
+    entry = fake.journal()[-1]
+    assert entry["rule_id"] == "five" and entry["status"] == 500 and entry["outcome"] == "http_error"
+    fake.reset()
+    assert fake.journal() == [] and fake.rules() == []
