@@ -195,6 +195,9 @@ class VendorChannel(models.Model):
     retry_cap_s = models.FloatField(default=60)
     retry_after_cap_s = models.FloatField(default=300)
     max_attempts = models.PositiveIntegerField(default=5, help_text="Attempts on this channel before falling back.")
+    audit_after_create = models.BooleanField(
+        default=True, help_text="List the operation's jobs right after creating one, to catch duplicates early."
+    )
     retry_budget_capacity = models.FloatField(default=100, help_text="Retry token bucket size.")
     retry_cost = models.FloatField(default=5)
     retry_timeout_cost = models.FloatField(default=10)
@@ -235,12 +238,26 @@ class ChannelHealth(models.Model):
     half_open_failures = models.PositiveIntegerField(default=0)
     window_started_call_id = models.BigIntegerField(default=0, help_text="Calls before this id are outside the window.")
     retry_tokens = models.FloatField(default=100)
+    ledger_cursor = models.CharField(max_length=100, blank=True, help_text="Where the last usage-ledger sync stopped.")
     last_rate_limited_at = models.DateTimeField(null=True, blank=True)
     last_retry_after_s = models.FloatField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:
         return f"{self.channel_id}: {self.breaker_state}"
+
+
+class BreakerTransition(models.Model):
+    """History of a channel's breaker, for the console and for tests."""
+
+    channel = models.ForeignKey(VendorChannel, on_delete=models.CASCADE, related_name="breaker_transitions")
+    from_state = models.CharField(max_length=16)
+    to_state = models.CharField(max_length=16)
+    actor = models.CharField(max_length=150)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
 
 
 class Task(models.Model):

@@ -106,3 +106,30 @@ def postgres_available() -> bool:
 requires_postgres = pytest.mark.skipif(
     not os.environ.get("DATABASE_URL"), reason="needs PostgreSQL: set DATABASE_URL"
 )
+
+
+@pytest.fixture
+def inline_queue(monkeypatch, vendor):
+    """Queue messages run at once in this process (django-q2's sync mode): the real dispatcher,
+    steps, database and fake vendor, without worker processes. For delivery semantics use `system`."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", True)
+    return vendor
+
+
+def run_until(task_id, *, states=("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"), timeout: float = 30.0):
+    """Tick the real dispatcher (with inline_queue: steps run synchronously) until the task is in `states`."""
+    from tasks.models import Task
+    from tasks.scheduling.dispatch import tick
+
+    deadline = time.monotonic() + timeout
+    while True:
+        tick()
+        task = Task.objects.get(pk=task_id)
+        if task.state in states:
+            return task
+        if time.monotonic() > deadline:
+            history = list(task.events.values_list("from_state", "to_state", "reason"))
+            raise AssertionError(f"task stuck in {task.state} ({task.error_code}); history: {history}")
+        time.sleep(0.02)

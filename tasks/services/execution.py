@@ -185,6 +185,9 @@ def submit(task: Task, lease: Lease) -> None:
         upload_ms=int((time.monotonic() - started) * 1000), vendor_job_id=created.job.id
     )
     _job_created(task, created)
+    if channel.audit_after_create:
+        # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
+        audit_duplicates(task, channel, client, keep_job_id=created.job.id)
 
 
 def _expired(moment: datetime | None) -> bool:

@@ -18,7 +18,10 @@ IDEMPOTENCY_KEEP_S = 48 * 3600
 
 
 def housekeeping() -> dict[str, int]:
+    from tasks.services.billing import billing_reconcile
+
     return {
+        **billing_reconcile(),
         "orphan_results": remove_orphan_results(),
         "expired_results": expire_results(),
         "quarantine_expired": quarantine_expire(),

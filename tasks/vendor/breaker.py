@@ -16,7 +16,7 @@ from django.db.models.functions import Least
 from django.utils import timezone
 
 from tasks import timescale
-from tasks.models import ChannelHealth, VendorCall, VendorChannel
+from tasks.models import BreakerTransition, ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
 from tasks.vendor.errors import BreakerOpen
 from tasks.vendor.policies import BreakerPolicy
@@ -155,6 +155,7 @@ def _cas(health: ChannelHealth, source: str, target: str, *, actor: str = "break
         pk=health.pk, breaker_state=source, breaker_version=health.breaker_version
     ).update(breaker_state=target, breaker_version=F("breaker_version") + 1, updated_at=timezone.now(), **fields)
     if moved:
+        BreakerTransition.objects.create(channel_id=health.pk, from_state=source, to_state=target, actor=actor[:150])
         log_event("breaker_transition", channel=health.pk, from_state=source, to_state=target, reason=actor)
     return bool(moved)
 

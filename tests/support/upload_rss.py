@@ -1,0 +1,50 @@
+"""Upload a file through the vendor client in a fresh process and print its peak RSS (MiB).
+
+Run by tests with the test database in the environment: `python -m tests.support.upload_rss PATH CHANNEL MODE`.
+"""
+
+import hashlib
+import os
+import sys
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+django.setup()
+
+from tasks.models import VendorChannel  # noqa: E402
+from tasks.vendor.client import VendorClient  # noqa: E402
+
+
+def peak_rss_mb() -> float:
+    """VmHWM: this process image's peak (ru_maxrss would include the parent's memory before exec)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def main() -> None:
+    path, channel_name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    channel = VendorChannel.objects.get(name=channel_name)
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1024 * 1024):
+            digest.update(chunk)
+    before = peak_rss_mb()
+    client = VendorClient(channel)
+    if mode == "two_step":
+        receipt = client.upload(__import__("pathlib").Path(path), size=size, sha256=digest.hexdigest())
+        answer = receipt.upload_id
+    else:
+        created = client.create_job(kind="transcription", target_format="txt", client_ref="rss-1", idempotency_key="rss-1",
+                                    inline_path=__import__("pathlib").Path(path), size=size, sha256=digest.hexdigest())
+        answer = created.job.id
+    peak = peak_rss_mb()
+    print(f"{answer} {before:.1f} {peak:.1f}")
+
+
+if __name__ == "__main__":
+    main()
