@@ -204,5 +204,35 @@ def inspect_audio(path: Path, findings: dict[str, Any]) -> None:
         if findings["family"] == AUDIO:
             quarantine(findings, "corrupt_file", "the audio headers are damaged or carry no duration")
         return
+    # Constant-bitrate formats must be about as long as their headers say (Ogg/FLAC declare a
+    # nominal rate only, so they are not judged this way).
+    bitrate = getattr(audio.info, "bitrate", 0) or 0
+    constant = type(audio).__name__ in ("MP3", "EasyMP3", "WAVE")
+    if constant and bitrate and findings["size"] < length * bitrate / 8 * 0.5:
+        quarantine(findings, "corrupt_file", "the audio is truncated: far shorter than its headers declare")
+        return
+    if _wav_truncated(path, findings["size"]):
+        quarantine(findings, "corrupt_file", "the WAV data chunk runs past the end of the file")
+        return
     findings["family"] = AUDIO
     findings["audio_minutes"] = round(length / 60.0, 3)
+
+
+def _wav_truncated(path: Path, size: int) -> bool:
+    import struct
+
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+        if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return False
+        offset = 12
+        while offset + 8 <= size:
+            handle.seek(offset)
+            chunk = handle.read(8)
+            if len(chunk) < 8:
+                return True
+            name, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+            if name == b"data":
+                return offset + 8 + length > size + 1
+            offset += 8 + length + (length & 1)
+        return True

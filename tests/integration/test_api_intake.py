@@ -6,7 +6,7 @@ import pytest
 
 from tasks.models import FileVersion, IdempotencyRecord, Task, TaskEvent
 from tasks.services.tenancy import tenant_ensure, token_issue
-from tests.support import files
+from tasks.poc import files
 
 pytestmark = pytest.mark.django_db
 

@@ -6,7 +6,7 @@ from django_q.brokers import get_broker
 from tasks.models import Task, TaskEvent, VendorJob
 from tasks.queueing import control_cluster, send_step
 from tests.conftest import wait_for
-from tests.support import files
+from tasks.poc import files
 from tests.support.flows import state, submit_file
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

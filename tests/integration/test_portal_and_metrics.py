@@ -5,7 +5,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from tasks.models import Task
 from tasks.services.tenancy import tenant_user_ensure
-from tests.support import files
+from tasks.poc import files
 
 pytestmark = pytest.mark.django_db
 

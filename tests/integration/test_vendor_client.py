@@ -7,7 +7,7 @@ import pytest
 
 from tasks.models import DuplicateIncident, Task, TaskEvent, VendorCall, VendorChannel, VendorJob
 from tests.conftest import TEST_TIME_SCALE, run_until
-from tests.support import files
+from tasks.poc import files
 from tests.support.flows import submit_file
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -7,7 +7,7 @@ import json
 from django.test import Client
 
 from tasks.models import Task
-from tests.support import files
+from tasks.poc import files
 
 
 def submit_file(api: Client, content: bytes | None = None, *, name: str = "a.wav", kind: str = "transcription",

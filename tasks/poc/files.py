@@ -1,4 +1,5 @@
-"""Files made in the tests: real audio and documents, and hostile ones (never downloaded)."""
+"""Files made on the spot for scenarios and tests: real audio and documents, and hostile ones
+(generated, never downloaded)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,68 @@ def encrypted_pdf() -> bytes:
 
 def text(size: int = 2000) -> bytes:
     return (b"Plain text document line.\n" * (size // 26 + 1))[:size]
+
+
+def mp3_like(frames: int = 400) -> bytes:
+    """MPEG-1 Layer III frames (128 kbit/s, 44.1 kHz) of silence: enough for a duration from headers."""
+    header = b"\xff\xfb\x90\x64"
+    frame = header + bytes(417 - 4)
+    return frame * frames
+
+
+def flac(seconds: float = 2.0, rate: int = 8000) -> bytes:
+    """A FLAC stream whose STREAMINFO declares the duration (audio frames omitted)."""
+    import struct
+
+    total = int(seconds * rate)
+    # STREAMINFO: min/max block, min/max frame, 20 bits rate, 3 bits channels-1, 5 bits bps-1, 36 bits samples, md5
+    packed = (rate << 44) | (0 << 41) | (15 << 36) | total
+    info = struct.pack(">HH", 4096, 4096) + b"\x00\x00\x00" * 2 + packed.to_bytes(8, "big") + bytes(16)
+    return b"fLaC" + bytes([0x80]) + len(info).to_bytes(3, "big") + info
+
+
+def ogg_vorbis(seconds: float = 2.0, rate: int = 8000) -> bytes:
+    """An Ogg Vorbis identification header page plus a last page carrying the granule position."""
+    import struct
+    import zlib
+
+    def page(granule: int, sequence: int, payload: bytes, header_type: int) -> bytes:
+        segments = [255] * (len(payload) // 255) + [len(payload) % 255]
+        head = (b"OggS" + bytes([0, header_type]) + struct.pack("<qII", granule, 1, sequence) + b"\x00\x00\x00\x00"
+                + bytes([len(segments)]) + bytes(segments))
+        crc = _ogg_crc(head + payload)
+        return head[:22] + struct.pack("<I", crc) + head[26:] + payload
+
+    ident = b"\x01vorbis" + struct.pack("<IBIiii", 0, 1, rate, 0, 64000, 0) + b"\xb8\x01"
+    comment = b"\x03vorbis" + struct.pack("<I", 6) + b"sluice" + struct.pack("<I", 0) + b"\x01"
+    return page(0, 0, ident, 0x02) + page(0, 1, comment, 0) + page(int(seconds * rate), 2, b"\x00" * 8, 0x04)
+
+
+def _ogg_crc(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+def with_marker(content: bytes, marker: bytes) -> bytes:
+    """The same file with a marker appended (hostile detector triggers, distinctive content)."""
+    return content + marker
+
+
+def zip_bomb_lying_headers(unpacked_mb: int = 64) -> bytes:
+    """A .docx-looking zip whose headers claim a tiny entry that really unpacks to many MB."""
+    import struct
+
+    honest = zip_bomb_docx(unpacked_mb)
+    real = unpacked_mb * 1024 * 1024
+    fake = struct.pack("<I", 1024)
+    data = bytearray(honest)
+    needle = struct.pack("<I", real)
+    index = data.find(needle)
+    while index != -1:
+        data[index:index + 4] = fake
+        index = data.find(needle, index + 4)
+    return bytes(data)

@@ -1,0 +1,111 @@
+"""The restricted pre-check: each detector on generated hostile files, the sandbox's limits, and
+quarantine (release, purge, recognising the same content again)."""
+
+import pytest
+from django.conf import settings
+
+from tasks.models import FileVersion, Quarantine, Task, VendorJob
+from tasks.poc import files
+from tasks.precheck.sandbox import run_precheck
+from tests.support.flows import route, submit_file
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def check(tmp_path, content: bytes, extension: str):
+    path = tmp_path / "input.bin"
+    path.write_bytes(content)
+    return run_precheck(path, extension)
+
+
+@pytest.mark.parametrize("content,extension,pages,minutes", [
+    (files.wav(6), "wav", None, 0.1),
+    (files.mp3_like(2000), "mp3", None, 0.87),
+    (files.flac(120), "flac", None, 2.0),
+    (files.ogg_vorbis(30), "ogg", None, 0.5),
+    (files.pdf(4), "pdf", 4, None),
+    (files.docx(), "docx", 1, None),
+    (files.text(9000), "txt", 3, None),
+], ids=["wav", "mp3", "flac", "ogg", "pdf", "docx", "text"])
+def test_good_files_pass_with_their_cost_estimate(tmp_path, content, extension, pages, minutes):
+    result = check(tmp_path, content, extension)
+    assert result.verdict == "pass", result.findings
+    if pages is not None:
+        assert result.findings["pages"] == pages
+    if minutes is not None:
+        assert result.findings["audio_minutes"] == pytest.approx(minutes, abs=0.01)
+
+
+@pytest.mark.parametrize("content,extension,reason", [
+    (files.truncated_pdf(), "pdf", "corrupt_file"),
+    (files.zip_bomb_docx(300), "docx", "zip_bomb"),
+    (files.elf_executable(), "wav", "executable"),
+    (files.encrypted_docx(), "docx", "encrypted_document"),
+    (files.encrypted_pdf(), "pdf", "encrypted_document"),
+    (files.pdf(), "wav", "type_mismatch"),
+    (files.wav(), "pdf", "type_mismatch"),
+    (b"PK\x03\x04" + b"\x00" * 200, "docx", "corrupt_file"),
+    (files.wav()[:60], "wav", "corrupt_file"),
+], ids=["truncated-pdf", "zip-bomb", "exe-as-wav", "encrypted-docx", "encrypted-pdf", "pdf-as-wav", "wav-as-pdf",
+        "broken-zip", "truncated-wav"])
+def test_hostile_files_are_quarantined_with_the_right_reason(tmp_path, content, extension, reason):
+    result = check(tmp_path, content, extension)
+    assert (result.verdict, result.reason) == ("quarantine", reason), result.findings
+
+
+def test_a_zip_whose_headers_understate_its_size_is_caught(tmp_path):
+    result = check(tmp_path, files.zip_bomb_lying_headers(64), "docx")
+    assert result.verdict == "quarantine" and result.reason in ("zip_bomb", "corrupt_file")
+
+
+def test_findings_never_carry_file_content(tmp_path):
+    marker = b"SECRET-CONTENT-MARKER-7731"
+    result = check(tmp_path, files.with_marker(files.text(), marker), "txt")
+    assert "SECRET-CONTENT-MARKER" not in repr(result.findings)
+
+
+@pytest.mark.parametrize("plugin,marker,reason", [
+    ("tasks.precheck.hostile.crash", b"SLUICE-PRECHECK-CRASH", "precheck_crashed"),
+    ("tasks.precheck.hostile.loop", b"SLUICE-PRECHECK-LOOP", "precheck_timeout"),
+    ("tasks.precheck.hostile.allocate", b"SLUICE-PRECHECK-ALLOCATE", "precheck_crashed"),
+])
+def test_a_pre_check_that_crashes_loops_or_allocates_is_stopped_and_the_file_quarantined(tmp_path, settings, plugin, marker, reason):
+    settings.PRECHECK_PLUGINS = [plugin]
+    settings.PRECHECK_CPU_S = 1
+    settings.PRECHECK_WALL_S = 5
+    settings.PRECHECK_MEMORY_MB = 256
+    result = check(tmp_path, files.with_marker(files.text(), marker), "txt")
+    assert (result.verdict, result.reason) == ("quarantine", reason), result.findings
+    leftovers = [p for p in __import__("pathlib").Path(settings.FILE_UPLOAD_TEMP_DIR).glob("precheck-*")]
+    assert leftovers == [], "the private temp directory must be removed"
+
+
+def test_a_quarantined_file_fails_its_task_never_reaches_the_vendor_and_is_recognised_again(vendor, api):
+    task = route(submit_file(api, files.truncated_pdf(), name="contract.pdf", kind="conversion", target="txt"))
+    assert task.state == "FAILED" and task.error_code == "quarantined"
+    entry = Quarantine.objects.get()
+    assert entry.reason == "corrupt_file" and entry.detector_version and entry.tenant_id == task.tenant_id
+    assert not VendorJob.objects.exists() and vendor.control.journal() == []
+    again = api.post("/api/v1/files", data=files.truncated_pdf(), content_type="application/octet-stream")
+    assert FileVersion.objects.get(pk=again.json()["id"]).precheck_state == "quarantined"
+    refused = api.post("/api/v1/tasks", data={"file_id": again.json()["id"], "kind": "conversion", "target_format": "txt"},
+                       content_type="application/json")
+    assert refused.status_code == 422 and refused.json()["code"] == "file_quarantined"
+
+
+def test_release_replays_the_task_in_the_unknown_risk_lane_and_purge_removes_the_content(vendor, api):
+    from tasks.services.quarantine import quarantine_purge, quarantine_release
+
+    task = route(submit_file(api, files.encrypted_pdf(), name="locked.pdf", kind="conversion", target="txt"))
+    entry = Quarantine.objects.get()
+    outcome = quarantine_release(entry=entry, actor="operator olga")
+    assert outcome["replayed"] == 1
+    replayed = Task.objects.get(pk=task.pk)
+    assert replayed.state == "QUEUED" and replayed.lane_id == "unknown-risk" and replayed.generation > task.generation
+    second = route(submit_file(api, files.truncated_pdf(), name="b.pdf", kind="conversion", target="txt"))
+    entry = Quarantine.objects.get(file=second.file)
+    path = second.file.path
+    assert quarantine_purge(entry=entry, actor="operator olga") and not path.exists()
+    from tasks.models import AuditEntry
+
+    assert set(AuditEntry.objects.values_list("action", flat=True)) >= {"quarantine_release", "quarantine_purge"}
