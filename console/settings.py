@@ -164,8 +164,10 @@ VENDOR_FALLBACK_URL = env("SLUICE_VENDOR_FALLBACK_URL", "http://127.0.0.1:9100/f
 VENDOR_API_KEY = env("SLUICE_VENDOR_API_KEY", "dev-vendor-key")
 VENDOR_WEBHOOK_SECRET = env("SLUICE_VENDOR_WEBHOOK_SECRET", "dev-webhook-secret")
 FAKEVENDOR_URL = env("FAKEVENDOR_URL", "http://127.0.0.1:9100")
+POC_LIVE_URL = env("SLUICE_LIVE_URL", "http://127.0.0.1:8000")
 FAKEVENDOR_ADMIN_TOKEN = env("FAKEVENDOR_ADMIN_TOKEN", "dev-admin-token")
 LOG_FILE = env("SLUICE_LOG_FILE", "")
+LOG_STDERR = env("SLUICE_LOG_STDERR", True)
 
 # --- Django plumbing ---------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -202,7 +204,10 @@ LOGGING = {
             else {}
         ),
     },
-    "root": {"handlers": ["stderr", *(["file"] if LOG_FILE else [])], "level": env("SLUICE_LOG_LEVEL", "INFO")},
+    "root": {
+        "handlers": [*(["stderr"] if LOG_STDERR else []), *(["file"] if LOG_FILE else [])],
+        "level": env("SLUICE_LOG_LEVEL", "INFO"),
+    },
     "loggers": {
         "django_q": {"level": "WARNING"},
         "httpx": {"level": "WARNING"},

@@ -303,6 +303,7 @@ class FaultEngine:
                 (r for r in self.rules if family in r.families() and _matches(r, facts)),
                 key=lambda r: (-r.priority, r.order),
             )
+            missed: Decision | None = None
             for rule in candidates:
                 rule.matched += 1
                 if rule.matched <= rule.after:
@@ -314,18 +315,19 @@ class FaultEngine:
                 if rule.probability < 1.0:
                     draw = rng.random()
                     if draw >= rule.probability:
-                        return Decision(rule_id=rule.id, type="ok", params=rule.params, draw=draw, rng=rng)
+                        # This rule did not fire; a lower one still gets its own chance.
+                        missed = missed or Decision(rule_id=rule.id, type="ok", params=rule.params, draw=draw, rng=rng)
+                        continue
                 if rule.sequence is not None:
                     index = rule.matched - rule.after - 1
                     if index >= len(rule.sequence):
                         continue
                     kind = rule.sequence[index]
-                    rule.applied += 1
                 else:
                     kind = rule.type
-                    rule.applied += 1
+                rule.applied += 1
                 return Decision(rule_id=rule.id, type=kind, params=rule.params, draw=draw, rng=rng)
-            return None
+            return missed
 
 
 def _matches(rule: Rule, facts: RequestFacts) -> bool:

@@ -108,7 +108,7 @@ class Connection:
             # A small receive buffer, so the client feels the slow link instead of filling ours.
             sock = self.writer.get_extra_info("socket")
             if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
         while True:
             try:
                 event = self.h11.next_event()
@@ -350,7 +350,9 @@ class FakeVendor:
             chunks: list[bytes] = []
             await conn.read_body(request, sink=chunks.append, limit=MAX_JSON_BODY)
             request.body = b"".join(chunks)
-        request.client_ref = request.query.get("client_ref") or _json_field(request.body, "client_ref")
+        request.client_ref = (
+            request.query.get("client_ref") or _json_field(request.body, "client_ref") or request.headers.get("x-client-ref")
+        )
         kind = request.query.get("kind") or _json_field(request.body, "kind")
         facts = RequestFacts(
             method=request.method, path=request.route, channel=request.channel,

@@ -112,6 +112,7 @@ class Lane(models.Model):
         default=100, help_text="Admission closes at this % of max_queued (best-effort lanes: e.g. 80)."
     )
     aging_s = models.FloatField(default=60, help_text="A task waiting this long goes before fair share.")
+    dispatch_order = models.PositiveIntegerField(default=100, help_text="Lower lanes get free slots first.")
     paused = models.BooleanField(default=False)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -175,6 +176,9 @@ class VendorChannel(models.Model):
     # Budgets held across every process (enforced in the database).
     max_inflight_jobs = models.PositiveIntegerField(default=20)
     max_concurrent_uploads = models.PositiveIntegerField(default=4)
+    reserved_for_interactive = models.PositiveIntegerField(
+        default=2, help_text="Job slots only the interactive lane may take, so batch floods cannot starve it."
+    )
     # Time layers (nominal seconds; multiplied by the time scale).
     connect_timeout_s = models.FloatField(default=5)
     status_timeout_s = models.FloatField(default=10)
@@ -202,6 +206,7 @@ class VendorChannel(models.Model):
     retry_cost = models.FloatField(default=5)
     retry_timeout_cost = models.FloatField(default=10)
     retry_success_refund = models.FloatField(default=1)
+    retry_refill_per_s = models.FloatField(default=0.5, help_text="Tokens regained per nominal second.")
     # Circuit breaker (resilience4j semantics).
     breaker_window = models.PositiveIntegerField(default=20)
     breaker_minimum_calls = models.PositiveIntegerField(default=10)
@@ -238,6 +243,7 @@ class ChannelHealth(models.Model):
     half_open_failures = models.PositiveIntegerField(default=0)
     window_started_call_id = models.BigIntegerField(default=0, help_text="Calls before this id are outside the window.")
     retry_tokens = models.FloatField(default=100)
+    retry_tokens_at = models.DateTimeField(null=True, blank=True)
     ledger_cursor = models.CharField(max_length=100, blank=True, help_text="Where the last usage-ledger sync stopped.")
     last_rate_limited_at = models.DateTimeField(null=True, blank=True)
     last_retry_after_s = models.FloatField(null=True, blank=True)

@@ -60,7 +60,8 @@ class Stack:
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {**os.environ, **database_env(), **self.env, **(extra or {})}
-        env.setdefault("SLUICE_LOG_FILE", "")
+        # Children log to their own file (stdout/stderr of each process is kept in log_dir).
+        env.update(SLUICE_LOG_FILE="", SLUICE_LOG_STDERR="1")
         return {k: v for k, v in env.items() if v is not None}
 
     def spawn(self, name: str, command: list[str], *, extra_env: dict[str, str] | None = None) -> Managed:
@@ -71,6 +72,9 @@ class Stack:
         )
         managed = Managed(name=name, process=process, log=log)
         self.processes[name] = managed
+        # A record of every process group started, so an interrupted run can be cleaned up.
+        with open(self.log_dir / "pids.txt", "a") as pids:
+            pids.write(f"{process.pid}\n")
         return managed
 
     def manage(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Managed:

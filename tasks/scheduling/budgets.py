@@ -8,7 +8,9 @@ holds the budget until the job is confirmed terminal) or once it is proven no jo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+from django.db.models import Q
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
@@ -28,8 +30,13 @@ class ChannelUsage:
         return channel.max_concurrent_uploads - self.uploads
 
 
+def _open_slots(channel: VendorChannel):
+    # A slot released "in the future" is still held: an aborted upload may still be draining.
+    return BudgetSlot.objects.filter(channel=channel).filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()))
+
+
 def channel_usage(channel: VendorChannel) -> ChannelUsage:
-    open_slots = BudgetSlot.objects.filter(channel=channel, released_at__isnull=True)
+    open_slots = _open_slots(channel)
     reserved_jobs = open_slots.filter(kind=JOB).count()
     live_jobs = VendorJob.objects.filter(channel=channel, terminal_at__isnull=True).count()
     uploads = open_slots.filter(kind=UPLOAD).count()
@@ -43,9 +50,10 @@ def slots_reserve(task: Task, channel: VendorChannel) -> None:
     )
 
 
-def slots_release(task_id, *kinds: str, reason: str) -> int:
+def slots_release(task_id, *kinds: str, reason: str, hold_s: float = 0.0) -> int:
+    """Release the task's open slots now, or `hold_s` real seconds from now."""
     return BudgetSlot.objects.filter(task_id=task_id, kind__in=kinds or (JOB, UPLOAD), released_at__isnull=True).update(
-        released_at=timezone.now(), release_reason=reason[:100]
+        released_at=timezone.now() + timedelta(seconds=hold_s), release_reason=reason[:100]
     )
 
 

@@ -67,7 +67,7 @@ def tick(*, now: datetime | None = None) -> dict[str, int]:
         "fenced": watchdog(now),
         "retries_due": promote_retries(now),
         "undeferred": admit_deferred(now),
-        "admitted": sum(len(admit_lane(lane, now)) for lane in Lane.objects.filter(paused=False)),
+        "admitted": sum(len(admit_lane(lane, now)) for lane in Lane.objects.filter(paused=False).order_by("dispatch_order")),
         "steps_sent": send_due_steps(now),
         "starts_resent": resend_lost_starts(now),
         "probes": probe_open_breakers(now),
@@ -219,8 +219,12 @@ class ChannelRoom:
     free_uploads: int
     trials_left: int | None = None
 
-    def fits(self) -> bool:
-        if not self.available or self.free_jobs <= 0 or self.free_uploads <= 0:
+    def fits(self, lane: str = "interactive") -> bool:
+        # The last job slots are kept for the interactive lane (article 001's reserved capacity).
+        reserve = 0 if lane == "interactive" else min(
+            self.channel.reserved_for_interactive, self.channel.max_inflight_jobs // 2
+        )
+        if not self.available or self.free_jobs - reserve <= 0 or self.free_uploads <= 0:
             return False
         return self.trials_left is None or self.trials_left > 0
 
@@ -261,7 +265,7 @@ def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | Non
     for room in candidates:
         if task.kind not in (room.channel.kinds or []) or room.channel.name in (task.abandoned_channels or []):
             continue
-        if room.fits():
+        if room.fits(task.lane_id or "interactive"):
             return room
     return None
 
@@ -339,7 +343,7 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
 
 def dispatch_soon(lane_name: str | None) -> None:
     """Event-driven admission (after intake, a finished step, a freed slot)."""
-    lanes = Lane.objects.filter(paused=False)
+    lanes = Lane.objects.filter(paused=False).order_by("dispatch_order")
     if lane_name:
         lanes = lanes.filter(pk=lane_name)
     for lane in lanes:
@@ -456,6 +460,6 @@ def waiting_reason(task: Task) -> str | None:
     ]
     if rooms and not any(r.available for r in rooms):
         return "breaker_open"
-    if not any(r.fits() for r in rooms):
+    if not any(r.fits(task.lane_id) for r in rooms):
         return "vendor_budget"
     return "fair_share"

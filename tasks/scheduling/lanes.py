@@ -11,13 +11,13 @@ INTERACTIVE, BATCH, HEAVY, UNKNOWN_RISK = "interactive", "batch", "heavy", "unkn
 
 DEFAULT_LANES: dict[str, dict[str, Any]] = {
     INTERACTIVE: dict(max_running=20, max_queued=500, queue_deadline_s=300, execution_timeout_s=900,
-                      overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=30),
+                      overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=30, dispatch_order=10),
     BATCH: dict(max_running=20, max_queued=20000, queue_deadline_s=6 * 3600, execution_timeout_s=3600,
-                overflow_policy=Lane.Overflow.DEFER, early_close_pct=80, aging_s=120),
+                overflow_policy=Lane.Overflow.DEFER, early_close_pct=80, aging_s=120, dispatch_order=30),
     HEAVY: dict(max_running=4, max_queued=2000, queue_deadline_s=12 * 3600, execution_timeout_s=4 * 3600,
-                overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300),
+                overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300, dispatch_order=20),
     UNKNOWN_RISK: dict(max_running=4, max_queued=2000, queue_deadline_s=6 * 3600, execution_timeout_s=3600,
-                       overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300),
+                       overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300, dispatch_order=40),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -152,7 +153,8 @@ def submit(task: Task, lease: Lease) -> None:
         if channel.mode == VendorChannel.Mode.TWO_STEP:
             if not task.upload_id or _expired(task.upload_expires_at):
                 stage = "upload"
-                receipt = client.upload(file.path, size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat)
+                receipt = client.upload(file.path, size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat,
+                                        client_ref=task.vendor_client_ref)
                 expires = parse_datetime(receipt.expires_at) if receipt.expires_at else None
                 if not task_update(task.pk, state=S.RUNNING, generation=g, upload_id=receipt.upload_id,
                                    upload_expires_at=expires, phase=P.CREATE):
@@ -176,7 +178,8 @@ def submit(task: Task, lease: Lease) -> None:
         log_event("upload_stopped", task_id=task.pk, generation=g, reason="fenced or cancel requested")
         return
     except VendorError as err:
-        slots_release(task.pk, UPLOAD, reason="upload ended")
+        hold = upload_drain_s(channel) if err.bytes_sent and err.outcome == Outcome.AMBIGUOUS else 0.0
+        slots_release(task.pk, UPLOAD, reason="upload ended", hold_s=hold)
         Attempt.objects.filter(task=task, generation=g).update(upload_ms=int((time.monotonic() - started) * 1000))
         _submit_failed(task, err, stage=stage)
         return
@@ -188,6 +191,14 @@ def submit(task: Task, lease: Lease) -> None:
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
         audit_duplicates(task, channel, client, keep_job_id=created.job.id)
+
+
+def upload_drain_s(channel: VendorChannel) -> float:
+    """How long an abandoned upload may keep the vendor busy: what our socket buffers still held
+    (the client's send buffer, see client.SEND_BUFFER) at the channel's bandwidth estimate."""
+    from tasks.vendor.client import SEND_BUFFER
+
+    return timescale.seconds(4 * SEND_BUFFER / max(channel.upload_bandwidth_bytes_s, 1.0))
 
 
 def _expired(moment: datetime | None) -> bool:
@@ -299,18 +310,18 @@ def retry_or_fallback(task: Task, err: VendorError, *, source: State, new_operat
         # The old job is over: the next submission is a new operation with a new key.
         fields.update(vendor_client_ref="", vendor_idempotency_key="", upload_id="", upload_expires_at=None)
     breaker_denied = err.error_class == "BreakerOpen"
-    attempts_here = task.channel_attempts + (0 if breaker_denied else 1)
-    spent = policy.exhausted(attempts_here) or (
-        not breaker_denied and not breaker.take_retry_token(channel, timeout=err.is_timeout)
-    )
+    flow_control = err.row.flow_control
+    attempts_here = task.channel_attempts + (0 if flow_control else 1)
+    spent = not flow_control and policy.exhausted(attempts_here)
+    dry = not flow_control and not spent and not breaker.take_retry_token(channel, timeout=err.is_timeout)
     fallbacks = other_channels(task, excluding=[channel.name, *task.abandoned_channels])
-    if breaker_denied:
+    if breaker_denied and fallbacks:
+        fields.update(_abandon(task, channel))
+        delay_real = timescale.seconds(policy.base_s) * 0.1
+        decision = f"breaker open: fall back from {channel.name}"
+    elif breaker_denied:
         delay_real = max(breaker.retry_in_s(channel) or 0.0, timescale.seconds(policy.base_s)) * 1.1
-        decision = "breaker open: wait"
-        if fallbacks:
-            fields.update(_abandon(task, channel))
-            delay_real = timescale.seconds(policy.base_s) * 0.1
-            decision = f"breaker open: fall back from {channel.name}"
+        decision = "breaker open: wait for it"
     elif spent and fallbacks:
         fields.update(_abandon(task, channel))
         delay_real = timescale.seconds(policy.delay_s(0))
@@ -320,6 +331,10 @@ def retry_or_fallback(task: Task, err: VendorError, *, source: State, new_operat
              message=f"{err.message}; retries on every channel are spent", retryable=True, dead_letter=True,
              data={"error_class": err.error_class or "retryable"})
         return
+    elif dry:
+        # The channel's retry budget is dry: slow down rather than multiply an outage's traffic.
+        delay_real = timescale.seconds(policy.cap_s) * random.uniform(0.5, 1.0)
+        decision = f"retry budget of {channel.name} is dry: wait {timescale.nominal(delay_real):.1f}s"
     else:
         delay_real = timescale.seconds(policy.delay_s(task.channel_attempts, err.retry_after_s))
         fields.update(channel_attempts=attempts_here)

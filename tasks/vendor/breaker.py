@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db import transaction
 from django.db.models import F, Max, Value
 from django.db.models.functions import Least
 from django.utils import timezone
@@ -161,17 +162,33 @@ def _cas(health: ChannelHealth, source: str, target: str, *, actor: str = "break
 
 
 def take_retry_token(channel: VendorChannel, *, timeout: bool) -> bool:
-    """Spend from the channel's retry budget (AWS SDK standard mode); False when dry."""
-    health_for(channel)
+    """Spend from the channel's retry budget (AWS SDK standard mode); False when dry.
+
+    The bucket refills slowly with time as well as on successes, so an outage with no successes
+    does not stop retries forever, it only slows them to the refill rate.
+    """
     cost = channel.retry_timeout_cost if timeout else channel.retry_cost
-    return bool(
-        ChannelHealth.objects.filter(pk=channel.pk, retry_tokens__gte=cost).update(
-            retry_tokens=F("retry_tokens") - cost
+    health_for(channel)
+    with transaction.atomic():
+        health = ChannelHealth.objects.select_for_update().get(pk=channel.pk)
+        now = timezone.now()
+        tokens = health.retry_tokens
+        if health.retry_tokens_at is not None:
+            elapsed = timescale.nominal(max((now - health.retry_tokens_at).total_seconds(), 0.0))
+            tokens = min(channel.retry_budget_capacity, tokens + elapsed * channel.retry_refill_per_s)
+        granted = tokens >= cost
+        ChannelHealth.objects.filter(pk=channel.pk).update(
+            retry_tokens=tokens - cost if granted else tokens, retry_tokens_at=now
         )
-    )
+    return granted
 
 
 def refund_retry_token(channel: VendorChannel) -> None:
     ChannelHealth.objects.filter(pk=channel.pk, retry_tokens__lt=channel.retry_budget_capacity).update(
         retry_tokens=Least(F("retry_tokens") + channel.retry_success_refund, Value(channel.retry_budget_capacity))
     )
+
+
+def reset_retry_budget(channel: VendorChannel) -> None:
+    health_for(channel)
+    ChannelHealth.objects.filter(pk=channel.pk).update(retry_tokens=channel.retry_budget_capacity, retry_tokens_at=timezone.now())

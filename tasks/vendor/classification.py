@@ -30,6 +30,9 @@ class Row:
     exception: str | None = None
     status: int | None = None
     code: str | None = None
+    # Flow control (rate limits, a key still in flight, an open breaker) is waited out: it does not
+    # spend the channel's attempts or retry budget; the business deadline bounds it.
+    flow_control: bool = False
 
 
 NP, AMB, REF, ALARM = Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS, Outcome.REFUSED, Outcome.ALARM
@@ -40,11 +43,12 @@ TABLE: tuple[Row, ...] = (
     Row(NP, True, "connecting to the vendor timed out", exception="ConnectTimeout"),
     Row(NP, True, "no free connection in the client pool", exception="PoolTimeout"),
     Row(NP, True, "the vendor refused the HTTP/2 stream", exception="RefusedStream"),
-    Row(NP, False, "the channel's circuit breaker is open", exception="BreakerOpen"),
+    Row(NP, False, "the channel's circuit breaker is open", exception="BreakerOpen", flow_control=True),
     # Answers that prove the request was not processed.
-    Row(NP, False, "a request with this key is still in flight at the vendor", status=409, code="idempotency_key_in_use"),
+    Row(NP, False, "a request with this key is still in flight at the vendor", status=409, code="idempotency_key_in_use",
+        flow_control=True),
     Row(NP, False, "the vendor's stored upload expired; upload again", status=404, code="upload_not_found"),
-    Row(NP, False, "the vendor is rate limiting us", status=429),
+    Row(NP, False, "the vendor is rate limiting us", status=429, flow_control=True),
     Row(NP, True, "the vendor is unavailable", status=503),
     # Failures after the body was (partly) sent: the vendor may have acted on it.
     Row(AMB, True, "no answer from the vendor in time", exception="ReadTimeout"),

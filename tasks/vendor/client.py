@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,9 @@ from tasks.vendor.errors import BreakerOpen, StopUpload, UploadDeadlineExceeded,
 from tasks.vendor.policies import BreakerPolicy, TimeoutPolicy, parse_retry_after
 
 CHUNK = 64 * 1024
+# A small send buffer keeps what the kernel sends on our behalf after we give up on an upload
+# small, so the wall-clock deadline governs the upload rather than megabytes queued in the kernel.
+SEND_BUFFER = 128 * 1024
 MUTATIONS = frozenset({"create_job", "cancel_job"})
 _OK = Row(Outcome.OK, False, "ok")
 _clients: dict[tuple[int, str], httpx.Client] = {}
@@ -100,11 +104,11 @@ def _http_client(base_url: str) -> httpx.Client:
     key = (os.getpid(), base_url)
     client = _clients.get(key)
     if client is None:
-        client = httpx.Client(
+        transport = httpx.HTTPTransport(
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
-            follow_redirects=False,
-            trust_env=False,
+            socket_options=[(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)],
         )
+        client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)
         _clients[key] = client
     return client
 
@@ -121,8 +125,12 @@ class VendorClient:
         self.http = _http_client(self.base)
 
     # --- operations --------------------------------------------------------------------
-    def upload(self, path: Path, *, size: int, sha256: str, on_chunk: Callable[[int], None] | None = None) -> UploadReceipt:
-        data = self._send_file("upload", "POST", "/v1/uploads", path, size=size, sha256=sha256, on_chunk=on_chunk)
+    def upload(self, path: Path, *, size: int, sha256: str, on_chunk: Callable[[int], None] | None = None,
+               client_ref: str = "") -> UploadReceipt:
+        # X-Client-Ref is not part of the contract; it only lets a vendor's logs tie the upload to the job.
+        headers = {"X-Client-Ref": client_ref} if client_ref else None
+        data = self._send_file("upload", "POST", "/v1/uploads", path, size=size, sha256=sha256, on_chunk=on_chunk,
+                               headers=headers)
         return UploadReceipt(upload_id=str(data["upload_id"]), expires_at=data.get("expires_at"))
 
     def create_job(

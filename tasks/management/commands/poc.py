@@ -1,0 +1,271 @@
+"""`python manage.py poc list` / `poc run NAME|all [--seed N] [--tasks N] [--time-scale F] [--json] [--live]`.
+
+Each scenario runs in a child process against its own scratch database (a copy of a freshly
+migrated template), with its own fake vendor, web server, dispatcher and clusters. Ctrl-C stops
+everything the run started. Exit status: 0 all invariants hold, 1 some do not, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from tasks.poc.catalog import SCENARIOS, by_name
+
+MANAGE = str(Path(settings.BASE_DIR) / "manage.py")
+
+
+class Command(BaseCommand):
+    help = "Run proof-of-concept scenarios against the real system and the fake vendor; report a verdict."
+
+    def add_arguments(self, parser):
+        sub = parser.add_subparsers(dest="action", required=True)
+        sub.add_parser("list", help="List the scenarios.")
+        run = sub.add_parser("run", help="Run a scenario, or all.")
+        run.add_argument("name")
+        run.add_argument("--seed", type=int, default=7)
+        run.add_argument("--tasks", type=int, default=None)
+        run.add_argument("--time-scale", type=float, default=None)
+        run.add_argument("--json", action="store_true")
+        run.add_argument("--live", action="store_true", help="Drive the running system instead of starting one.")
+        run.add_argument("--keep", action="store_true", help="Keep the scratch data and logs.")
+        run.add_argument("--report-file", default=None, help="Also write the JSON report here.")
+        child = sub.add_parser("_child", help="(internal) run one scenario in this process")
+        child.add_argument("name")
+        child.add_argument("--seed", type=int, required=True)
+        child.add_argument("--tasks", type=int, required=True)
+        child.add_argument("--time-scale", type=float, required=True)
+        child.add_argument("--workdir", required=True)
+        child.add_argument("--report", required=True)
+        child.add_argument("--quiet", action="store_true")
+
+    def handle(self, *args, **options):
+        action = options["action"]
+        if action == "list":
+            width = max(len(s.name) for s in SCENARIOS)
+            for scenario in SCENARIOS:
+                self.stdout.write(f"{scenario.name:<{width}}  {scenario.summary}")
+            return
+        if action == "_child":
+            self._child(options)
+            return
+        self._run(options)
+
+    # --- the parent -----------------------------------------------------------------------------
+    def _run(self, options: dict[str, Any]) -> None:
+        scenarios = by_name()
+        name = options["name"]
+        if name != "all" and name not in scenarios:
+            raise CommandError(f"unknown scenario {name!r}; known: all, {', '.join(scenarios)}", returncode=2)
+        scale = options["time_scale"]
+        if scale is not None and not 0 < scale <= 10:
+            raise CommandError(f"--time-scale must be in (0, 10]; got {scale}", returncode=2)
+        if options["tasks"] is not None and options["tasks"] <= 0:
+            raise CommandError(f"--tasks must be a positive number; got {options['tasks']}", returncode=2)
+        chosen = list(scenarios.values()) if name == "all" else [scenarios[name]]
+        if options["live"]:
+            refused = [s.name for s in chosen if not s.live]
+            if name != "all" and refused:
+                raise CommandError(f"{name} controls processes (workers, broker) and cannot run --live", returncode=2)
+            chosen = [s for s in chosen if s.live]
+        reports = []
+        run_dir = Path(settings.DATA_DIR) / "poc" / uuid.uuid4().hex[:8]
+        scratch = Scratch(run_dir)
+        try:
+            if not options["live"]:
+                scratch.prepare_template()
+            for index, scenario in enumerate(chosen):
+                tasks = options["tasks"] or scenario.tasks
+                time_scale = scale or scenario.time_scale
+                if options["live"]:
+                    from tasks.poc.runner import run_live
+
+                    report = run_live(scenario, seed=options["seed"], tasks=tasks, quiet=options["json"] and not sys.stderr.isatty())
+                else:
+                    report = scratch.run_child(scenario.name, index, seed=options["seed"], tasks=tasks,
+                                               time_scale=time_scale, quiet=False)
+                reports.append(report)
+                if not options["json"]:
+                    self._print_report(report)
+        except KeyboardInterrupt:
+            scratch.kill_leftovers()
+            self.stderr.write("interrupted: every process the run started was stopped")
+            sys.exit(130)
+        finally:
+            scratch.kill_leftovers()
+            scratch.cleanup(keep=options["keep"])
+        document = reports if name == "all" else reports[0]
+        if options["report_file"]:
+            Path(options["report_file"]).write_text(json.dumps(document, indent=2))
+        if options["json"]:
+            self.stdout.write(json.dumps(document, indent=2))
+        else:
+            self._print_summary(reports)
+        if not all(r.get("passed") for r in reports):
+            sys.exit(1)
+
+    def _print_report(self, report: dict[str, Any]) -> None:
+        verdict = self.style.SUCCESS("PASS") if report.get("passed") else self.style.ERROR("FAIL")
+        self.stdout.write(f"\n{report['scenario']}  {verdict}  ({report.get('duration_s', 0)}s, {report.get('tasks')} tasks, "
+                          f"time scale {report.get('time_scale')})")
+        if "error" in report:
+            self.stdout.write(f"  error: {report['error']}")
+        for inv in report.get("invariants", []):
+            mark = "ok  " if inv["ok"] else "FAIL"
+            detail = f"  — {inv['detail']}" if inv.get("detail") else ""
+            self.stdout.write(f"  {mark} {inv['name']:<40} observed {json.dumps(inv['observed'])}  expected {inv['expected']}{detail}")
+        metrics = report.get("metrics", {})
+        shown = {k: v for k, v in metrics.items() if not k.startswith("_") and k != "states"}
+        self.stdout.write(f"  states {metrics.get('states')}  metrics {json.dumps(shown, default=str)}")
+
+    def _print_summary(self, reports: list[dict[str, Any]]) -> None:
+        if len(reports) < 2:
+            return
+        self.stdout.write("\nscenario                     result  duration  invariants")
+        for r in reports:
+            invariants = r.get("invariants", [])
+            ok = sum(1 for i in invariants if i["ok"])
+            verdict = "PASS" if r.get("passed") else "FAIL"
+            self.stdout.write(f"{r['scenario']:<28} {verdict:<7} {r.get('duration_s', 0):>7}s  {ok}/{len(invariants)}")
+
+    # --- the child -------------------------------------------------------------------------------
+    def _child(self, options: dict[str, Any]) -> None:
+        from tasks.poc.runner import run_isolated
+
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        scenario = by_name()[options["name"]]
+        workdir = Path(options["workdir"])
+        try:
+            report = run_isolated(scenario, seed=options["seed"], tasks=options["tasks"], time_scale=options["time_scale"],
+                                  workdir=workdir, quiet=options["quiet"])
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken run is a failed verdict with its reason
+            import traceback
+
+            traceback.print_exc()
+            report = {"scenario": scenario.name, "seed": options["seed"], "tasks": options["tasks"],
+                      "time_scale": options["time_scale"], "passed": False, "duration_s": 0,
+                      "error": f"{type(exc).__name__}: {exc}", "invariants": [], "metrics": {}}
+        Path(options["report"]).write_text(json.dumps(report, default=str))
+
+
+class Scratch:
+    """Scratch databases for scenario runs: a migrated template, copied per scenario."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_dir.name
+        self.database_url = settings.DATABASE_URL
+        self.created_databases: list[str] = []
+        self.children: list[subprocess.Popen] = []
+
+    def _env(self, workdir: Path, database: str | None, q_name: str) -> dict[str, str]:
+        env = {**os.environ, "SLUICE_DATA_DIR": str(workdir / "data"), "SLUICE_Q_NAME": q_name, "SLUICE_LOG_FILE": ""}
+        env.pop("PYTEST_VERSION", None)
+        if self.database_url:
+            env["DATABASE_URL"] = self._url_for(database)
+        else:
+            env["DATABASE_URL"] = ""
+            env["SLUICE_DATABASE_PATH"] = database
+        return env
+
+    def _url_for(self, name: str) -> str:
+        base, _, _ = self.database_url.rpartition("/")
+        return f"{base}/{name}"
+
+    def _admin(self, sql: str) -> None:
+        import dj_database_url
+        import psycopg
+
+        db = dj_database_url.parse(self.database_url)
+        with psycopg.connect(host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432, user=db["USER"] or None,
+                             password=db["PASSWORD"] or None, dbname=db["NAME"], autocommit=True) as conn:
+            conn.execute(sql)
+
+    def prepare_template(self) -> None:
+        workdir = self.run_dir / "template"
+        workdir.mkdir(parents=True, exist_ok=True)
+        if self.database_url:
+            self.template = f"sluice_poc_{self.run_id}_tpl"
+            self._admin(f'CREATE DATABASE "{self.template}"')
+            self.created_databases.append(self.template)
+            database = self.template
+        else:
+            self.template = str(workdir / "template.sqlite3")
+            database = self.template
+        env = self._env(workdir, database, f"poc{self.run_id}tpl")
+        done = subprocess.run([sys.executable, MANAGE, "migrate", "--noinput"], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise CommandError(f"migrating the scratch database failed:\n{done.stderr[-2000:]}")
+
+    def run_child(self, name: str, index: int, *, seed: int, tasks: int, time_scale: float, quiet: bool) -> dict[str, Any]:
+        workdir = self.run_dir / f"{index:02d}-{name}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        if self.database_url:
+            database = f"sluice_poc_{self.run_id}_{index}"
+            self._admin(f'CREATE DATABASE "{database}" TEMPLATE "{self.template}"')
+            self.created_databases.append(database)
+        else:
+            database = str(workdir / "sluice.sqlite3")
+            shutil.copyfile(self.template, database)
+        env = self._env(workdir, database, f"poc{self.run_id}{index}")
+        env["SLUICE_TIME_SCALE"] = str(time_scale)
+        # The run's own log goes next to its processes' logs (and is scanned for secrets too).
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+        env.update(SLUICE_LOG_FILE=str(workdir / "logs" / "runner.log"), SLUICE_LOG_STDERR="0")
+        report_file = workdir / "report.json"
+        command = [sys.executable, MANAGE, "poc", "_child", name, "--seed", str(seed), "--tasks", str(tasks),
+                   "--time-scale", str(time_scale), "--workdir", str(workdir), "--report", str(report_file)]
+        if quiet:
+            command.append("--quiet")
+        child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
+        self.children.append(child)
+        try:
+            child.wait()
+        except KeyboardInterrupt:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+        if not report_file.exists():
+            return {"scenario": name, "seed": seed, "tasks": tasks, "time_scale": time_scale, "passed": False,
+                    "duration_s": 0, "error": f"the scenario process exited {child.returncode} without a report",
+                    "invariants": [], "metrics": {}}
+        report = json.loads(report_file.read_text())
+        report["logs"] = str(workdir / "logs")
+        return report
+
+    def kill_leftovers(self) -> None:
+        """Whatever a child started and did not stop (it was killed itself) is stopped here."""
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+        for pids in self.run_dir.glob("*/logs/pids.txt"):
+            for line in pids.read_text().split():
+                try:
+                    os.killpg(int(line), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, ValueError):
+                    pass
+
+    def cleanup(self, *, keep: bool) -> None:
+        for database in reversed(self.created_databases):
+            try:
+                self._admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            except Exception:  # noqa: BLE001 - cleanup must not hide the run's result
+                pass
+        if not keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)

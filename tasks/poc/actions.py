@@ -1,0 +1,140 @@
+"""Things a scenario does during its run (each takes the RunContext)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from django.conf import settings
+from django_q.brokers import get_broker
+
+from tasks.models import ChannelHealth, Task, VendorChannel
+from tasks.queueing import control_cluster, send_step
+from tasks.states import State
+
+
+def all_submitted(ctx) -> bool:
+    return len(ctx.accepted) + len(ctx.rejected) >= ctx.tasks and bool(ctx.accepted)
+
+
+def lose_every_queued_message_then_start_workers(ctx) -> None:
+    """The broker loses every message sent so far (a Redis restart, a purged queue)."""
+    purged = 0
+    for cluster in (control_cluster(), *settings.LANES):
+        broker = get_broker(cluster)
+        purged += broker.queue_size() or 0
+        broker.purge_queue()
+    ctx.notes["messages_lost"] = purged
+    from tasks.poc.runner import start_workers
+
+    start_workers(ctx.stack, ctx.scenario)
+    ctx.notes["workers_started_at_s"] = round(ctx.elapsed_nominal(), 2)
+
+
+def duplicate_messages(ctx) -> None:
+    """The broker delivers some messages twice: send extra copies of each task's next message."""
+    seen = ctx.notes.setdefault("_duplicated", set())
+    ids = [a.id for a in ctx.accepted]
+    for task in Task.objects.filter(pk__in=ids, state__in=(State.ACCEPTED, State.QUEUED)).values("pk", "state", "generation", "lane_id", "dispatched_at"):
+        key = (str(task["pk"]), task["state"], task["generation"])
+        if key in seen:
+            continue
+        if task["state"] == State.ACCEPTED:
+            send_step("precheck", task["pk"], task["generation"])
+            send_step("precheck", task["pk"], task["generation"])
+        elif task["dispatched_at"] is not None:
+            send_step("start", task["pk"], task["generation"], lane=task["lane_id"])
+            send_step("start", task["pk"], task["generation"], lane=task["lane_id"])
+        else:
+            continue
+        seen.add(key)
+        ctx.notes["duplicate_messages_sent"] = ctx.notes.get("duplicate_messages_sent", 0) + 2
+
+
+def workers_running(ctx) -> bool:
+    return "workers_started_at_s" in ctx.notes
+
+
+def set_channel(name: str, **values: Any) -> Callable:
+    def act(ctx) -> None:
+        VendorChannel.objects.filter(pk=name).update(**values)
+
+    return act
+
+
+def vendor_recovers(rule_id: str, *, channel: str = "primary", wait_nominal_s: float = 300) -> Callable:
+    """Remove the outage rule, then wait until the channel's breaker has closed again."""
+
+    def act(ctx) -> None:
+        ctx.control.delete_rule(rule_id)
+        ctx.notes["recovered_at_s"] = round(ctx.elapsed_nominal(), 2)
+        deadline = time.monotonic() + ctx.scaled(wait_nominal_s)
+        while time.monotonic() < deadline:
+            if ChannelHealth.objects.get(pk=channel).breaker_state == ChannelHealth.Breaker.CLOSED:
+                ctx.notes["breaker_closed_at_s"] = round(ctx.elapsed_nominal(), 2)
+                return
+            time.sleep(0.05)
+
+    return act
+
+
+def _worker_pid(lease_owner: str) -> int | None:
+    try:
+        return int(lease_owner.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def kill_worker_during(phase: str, *, note: str) -> Callable:
+    """SIGKILL the worker process that holds a task's lease in the given phase (upload, poll)."""
+
+    def act(ctx) -> None:
+        ids = [a.id for a in ctx.accepted]
+        for task in Task.objects.filter(pk__in=ids, state=State.RUNNING, phase=phase).exclude(lease_owner=""):
+            pid = _worker_pid(task.lease_owner)
+            if pid and pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                ctx.notes[note] = {"task": str(task.pk), "pid": pid}
+                return
+        raise RuntimeError(f"no worker was holding a task in phase {phase}")
+
+    return act
+
+
+def a_task_in_phase(phase: str) -> Callable:
+    def ready(ctx) -> bool:
+        ids = [a.id for a in ctx.accepted]
+        return Task.objects.filter(pk__in=ids, state=State.RUNNING, phase=phase).exclude(lease_owner="").exists()
+
+    return ready
+
+
+def cancel_running(*, content: str) -> Callable:
+    """Business users cancel their tasks of this content while they run at the vendor."""
+
+    def act(ctx) -> None:
+        targets = [a.id for a in ctx.accepted if a.spec.content == content and a.id not in ctx.cancels]
+        for task in Task.objects.filter(pk__in=targets, state=State.RUNNING, phase=Task.Phase.POLL):
+            ctx.cancel(str(task.pk))
+
+    return act
+
+
+def cancel_as_the_job_completes(processing_nominal_s: float) -> Callable:
+    """Send each task's cancel right when its vendor job finishes, so cancel and success race."""
+
+    def act(ctx) -> None:
+        from tasks.models import VendorJob
+
+        ids = [a.id for a in ctx.accepted if a.id not in ctx.cancels]
+        for job in VendorJob.objects.filter(task_id__in=ids, duplicate_of__isnull=True):
+            due = job.created_at.timestamp() + ctx.scaled(processing_nominal_s)
+            if time.time() >= due:
+                ctx.cancel(str(job.task_id))
+
+    return act

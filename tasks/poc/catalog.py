@@ -1,0 +1,177 @@
+"""The named scenarios (shared/contracts/poc-cli.md). Add one by adding a Scenario here."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from tasks.poc import actions, checks
+from tasks.poc.model import Action, Scenario, Submit
+
+C = checks
+# Budgets large enough that only the scenarios about budgets are limited by them.
+ROOMY = {"max_inflight_jobs": 200, "max_concurrent_uploads": 50, "retry_budget_capacity": 10_000}
+
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        name="delivery-interrupted",
+        summary="the dispatch message is lost right after accept: the task is still visible, is re-dispatched "
+                "automatically, and duplicated messages yield one vendor job",
+        tasks=20,
+        start_workers=False,
+        workload=[Submit(share=1.0, priority="interactive")],
+        channels={"primary": ROOMY},
+        actions=[
+            Action("lose every dispatch message, then start the workers",
+                   do=actions.lose_every_queued_message_then_start_workers, when=actions.all_submitted),
+            Action("deliver messages twice", do=actions.duplicate_messages, when=actions.workers_running, repeat=True),
+        ],
+        checks=[C.all_succeeded, C.one_billed_job_per_task,
+                lambda ev: C.Result("messages_lost_and_recovered", ev.ctx.notes.get("messages_lost", 0) > 0,
+                                    ev.ctx.notes.get("messages_lost", 0), "> 0 lost, all recovered"),
+                lambda ev: C.Result("duplicate_messages_sent", ev.ctx.notes.get("duplicate_messages_sent", 0) > 0,
+                                    ev.ctx.notes.get("duplicate_messages_sent", 0), "> 0, each a no-op")],
+        live=False,
+    ),
+    Scenario(
+        name="big-upload-timeout",
+        summary="a large file over a slow link: a fixed short request timeout fails every time, the size-derived "
+                "timeout succeeds, and no duplicate job is billed either way",
+        tasks=12,
+        phases=("fixed", "derived"),
+        workload=[Submit(share=0.5, content="wav_long", priority="batch", phase="fixed"),
+                  Submit(share=0.5, content="wav_long", priority="batch", phase="derived")],
+        faults=[{"endpoint": "POST /v1/uploads", "type": "bandwidth", "params": {"bytes_per_s": 100_000}}],
+        channels={"primary": {**ROOMY, "max_attempts": 2, "upload_timeout_policy": "fixed", "upload_fixed_timeout_s": 3,
+                              "upload_bandwidth_bytes_s": 80_000, "upload_buffer_s": 5, "max_concurrent_uploads": 6},
+                  "fallback": {"enabled": False}},
+        actions=[Action("switch the channel to size-derived upload timeouts",
+                        do=actions.set_channel("primary", upload_timeout_policy="size_derived"), before_phase="derived")],
+        checks=[partial(C.none_succeeded, phase="fixed"), partial(C.nothing_billed, phase="fixed"),
+                partial(C.all_succeeded, phase="derived"), C.one_billed_job_per_task],
+    ),
+    Scenario(
+        name="reset-mid-upload",
+        summary="the vendor resets the connection mid-body: the upload is replayed from the file and one job results",
+        tasks=16,
+        workload=[Submit(share=0.5, content="wav_long", priority="batch"),
+                  Submit(share=0.5, kind="conversion", target_format="txt", content="text_big", label="notes.txt",
+                         priority="batch")],
+        faults=[
+            {"endpoint": "POST /v1/uploads", "type": "reset", "params": {"stage": "mid_body", "after_bytes": 30_000},
+             "probability": 0.5},
+            {"endpoint": "POST /v1/jobs", "match": {"channel": "fallback"}, "type": "reset",
+             "params": {"stage": "mid_body", "after_bytes": 30_000}, "probability": 0.5},
+        ],
+        channels={"primary": {**ROOMY, "kinds": ["transcription"], "max_attempts": 12},
+                  "fallback": {**ROOMY, "kinds": ["conversion"], "max_attempts": 12}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.uploads_replayed_from_byte_zero],
+    ),
+    Scenario(
+        name="response-lost",
+        summary="the vendor creates and bills the job, then drops the response: the client reconciles and adopts "
+                "the job instead of creating another",
+        tasks=30,
+        workload=[Submit(share=1.0)],
+        faults=[{"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": mode}, "probability": 0.15,
+                 "id": f"lost-{mode}"} for mode in ("reset", "close", "stall")],
+        channels={"primary": {**ROOMY, "upload_buffer_s": 2, "status_timeout_s": 2}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.reconciliations_adopted_lost_jobs],
+    ),
+    Scenario(
+        name="ignore-idempotency",
+        summary="the vendor ignores Idempotency-Key and double-creates: the duplicate is detected, cancelled and reported",
+        tasks=24,
+        workload=[Submit(share=1.0)],
+        faults=[
+            {"endpoint": "POST /v1/jobs", "type": "duplicate_create", "params": {"copies": 2}, "probability": 0.3, "priority": 2},
+            {"endpoint": "POST /v1/jobs", "type": "ignore_idempotency", "priority": 1},
+            {"endpoint": "POST /v1/jobs", "type": "stall", "params": {"ms": 8000}, "probability": 0.2},
+        ],
+        vendor_channels={"primary": {"processing_ms": 20_000}},
+        channels={"primary": {**ROOMY, "upload_buffer_s": 2, "status_timeout_s": 2}},
+        checks=[C.all_succeeded, C.duplicates_cancelled],
+    ),
+    Scenario(
+        name="rate-limit-storm",
+        summary="429 with Retry-After (seconds and HTTP-date): retries wait at least as told, with jitter",
+        tasks=30,
+        workload=[Submit(share=1.0)],
+        faults=[
+            {"endpoint": "POST /v1/jobs", "type": "rate_limit", "params": {"retry_after_s": 4}, "probability": 0.35},
+            {"endpoint": "POST /v1/uploads", "type": "rate_limit",
+             "params": {"retry_after_s": 3, "retry_after_date": True, "status": 503}, "probability": 0.35},
+            {"endpoint": "GET /v1/jobs/*", "type": "rate_limit", "params": {"retry_after_s": 2}, "probability": 0.3},
+        ],
+        channels={"primary": {**ROOMY, "breaker_minimum_calls": 1000, "max_attempts": 10}, "fallback": {"enabled": False}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.retries_waited_retry_after, C.both_retry_after_forms_seen],
+    ),
+    Scenario(
+        name="vendor-outage-fallback",
+        summary="the primary vendor fails: the breaker opens, work moves to the fallback, the breaker probes and "
+                "closes on recovery; nothing is lost",
+        tasks=24,
+        phases=("outage", "recovered"),
+        workload=[Submit(share=0.6, phase="outage"), Submit(share=0.4, phase="recovered")],
+        faults=[{"id": "outage", "endpoint": "* *", "match": {"channel": "primary"}, "type": "http_error",
+                 "params": {"status": 503, "code": "unavailable"}}],
+        channels={"primary": {**ROOMY, "breaker_window": 10, "breaker_minimum_calls": 4, "breaker_failure_rate": 0.5,
+                              "breaker_open_wait_s": 20, "breaker_half_open_calls": 2, "max_attempts": 50},
+                  "fallback": ROOMY},
+        actions=[Action("the primary vendor recovers", do=actions.vendor_recovers("outage"), before_phase="recovered")],
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.breaker_opened_and_closed,
+                partial(C.some_tasks_on, channel="fallback", phase="outage"),
+                partial(C.some_tasks_on, channel="primary", phase="recovered")],
+    ),
+    Scenario(
+        name="poll-storm",
+        summary="30 concurrent long jobs: status requests per task-minute stay under the bound",
+        tasks=30,
+        time_scale=0.02,
+        budget_s=1800,
+        workload=[Submit(share=1.0, priority="batch")],
+        vendor_channels={"primary": {"processing_ms": 300_000}},
+        channels={"primary": ROOMY},
+        lanes={"batch": {"max_running": 60}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.polls_per_task_minute],
+    ),
+    Scenario(
+        name="retry-herd",
+        summary="many tasks fail at once: their retries spread out in time instead of arriving together",
+        tasks=40,
+        workload=[Submit(share=1.0)],
+        faults=[{"endpoint": "POST /v1/jobs", "type": "http_error", "params": {"status": 503}, "times": 40}],
+        channels={"primary": {**ROOMY, "retry_base_s": 20, "retry_cap_s": 60, "breaker_minimum_calls": 1000,
+                              "max_attempts": 10},
+                  "fallback": {"enabled": False}},
+        lanes={"interactive": {"max_running": 60}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.retries_spread],
+    ),
+    Scenario(
+        name="mixed-load",
+        summary="interactive, heavy and batch tasks from several tenants: oldest wait per lane, tenant shares, "
+                "budgets never exceeded",
+        tasks=60,
+        budget_s=2400,
+        workload=[
+            Submit(share=0.50, tenant="alpha", priority="batch"),
+            Submit(share=0.30, tenant="beta", priority="batch"),
+            Submit(share=0.12, tenant="gamma", priority="interactive"),
+            Submit(share=0.08, tenant="beta", kind="conversion", target_format="txt", content="pdf_heavy",
+                   label="annual-report.pdf", priority="batch"),
+        ],
+        tenants={"alpha": {"max_running": 3}, "beta": {"lane_weights": {"batch": 2}}, "gamma": {}},
+        vendor_channels={"primary": {"processing_ms": 3000}},
+        channels={"primary": {"max_inflight_jobs": 8, "max_concurrent_uploads": 3, "reserved_for_interactive": 2},
+                  "fallback": {"enabled": False}},
+        lanes={"batch": {"max_running": 4}, "interactive": {"max_running": 4}, "heavy": {"max_running": 1}},
+        lanes_started=("interactive", "batch", "heavy"),
+        checks=[C.all_succeeded, partial(C.tenant_running_within_quota, tenant="alpha", limit=3),
+                partial(C.queue_wait_p95_under, lane="interactive", bound_s=10.0),
+                partial(C.fair_share, lane="batch", weights={"alpha": 1, "beta": 2}, tolerance=0.15),
+                C.expired_only_past_deadline],
+    ),
+]
+
+
+def by_name() -> dict[str, Scenario]:
+    return {s.name: s for s in SCENARIOS}

@@ -1,0 +1,391 @@
+"""Invariants. Each returns observed vs expected, so a failure explains itself."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+
+from tasks.models import BreakerTransition, Quarantine, VendorCall
+from tasks.poc.evidence import Evidence
+from tasks.poc.model import Result
+from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
+from tasks.storage import result_file
+
+
+# --- every scenario ---------------------------------------------------------------------------------
+def lost_tasks(ev: Evidence) -> Result:
+    """Every accepted task is terminal, or visibly waiting with a reason."""
+    missing = [a.id for a in ev.ctx.accepted if a.id not in ev.tasks]
+    unexplained = [
+        t for t in ev.tasks.values()
+        if t.state not in TERMINAL_STATES and t.due_at is None and t.lease_expires_at is None
+        and not (t.state == State.QUEUED or (t.state == State.ACCEPTED and t.deferred))
+    ]
+    observed = len(missing) + len(unexplained)
+    detail = f"missing {missing[:3]}, unexplained {[str(t.pk) for t in unexplained[:3]]}" if observed else ""
+    return Result("lost_tasks", observed == 0, observed, "== 0", detail)
+
+
+def undetected_duplicate_billing(ev: Evidence) -> Result:
+    """Jobs billed for one operation beyond the first that Sluice did not report."""
+    detected: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for incident in ev.incidents:
+        detected[(incident.channel_id, incident.client_ref)].update(incident.duplicate_job_ids)
+        detected[(incident.channel_id, incident.client_ref)].add(incident.kept_job_id)
+    undetected = 0
+    for dup in ev.invariants.get("duplicate_billed_client_refs", []):
+        jobs = set(dup["jobs"])
+        known = detected.get((dup["channel"], dup["client_ref"]), set())
+        undetected += len(jobs) - 1 if not known else len(jobs - known)
+    return Result("undetected_duplicate_billing", undetected == 0, undetected, "== 0")
+
+
+def budget_violations(ev: Evidence) -> Result:
+    """Concurrency seen at the vendor above the channel's configured budget."""
+    over = []
+    jobs = ev.invariants.get("max_concurrent_jobs_by_channel", {})
+    uploads = ev.invariants.get("max_concurrent_uploads_by_channel", {})
+    for name, channel in ev.channels.items():
+        if jobs.get(name, 0) > channel.max_inflight_jobs:
+            over.append(f"{name} jobs {jobs[name]} > {channel.max_inflight_jobs}")
+        if uploads.get(name, 0) > channel.max_concurrent_uploads:
+            over.append(f"{name} uploads {uploads[name]} > {channel.max_concurrent_uploads}")
+    return Result("budget_violations", not over, len(over), "== 0", "; ".join(over))
+
+
+def late_writes_accepted(ev: Evidence) -> Result:
+    """Writes by a fenced-off attempt that changed anything."""
+    bad = []
+    for task_id, events in ev.events.items():
+        terminal = [e for e in events if e.to_state in TERMINAL_STATES]
+        generations = [e.generation for e in events if e.to_state]
+        if len(terminal) > 1 and not any(e.to_state == State.QUEUED and e.from_state in TERMINAL_STATES for e in events):
+            bad.append(f"{task_id}: {len(terminal)} terminal states")
+        if generations != sorted(generations) or len(set(generations)) != len(generations):
+            bad.append(f"{task_id}: generations not strictly increasing")
+        task = ev.tasks.get(task_id)
+        success = next((e for e in reversed(events) if e.to_state == State.SUCCEEDED), None)
+        if task and success and task.result_path:
+            published = Path(task.result_path).name.split("-", 1)[0]
+            if published != f"g{success.generation - 1}":
+                bad.append(f"{task_id}: result of {published} published at g{success.generation - 1}")
+    return Result("late_writes_accepted", not bad, len(bad), "== 0", "; ".join(bad[:3]))
+
+
+def secrets_in_logs(ev: Evidence) -> Result:
+    """The run's original filenames, file contents (markers) and tokens in any log line or stored error."""
+    needles = sorted(s for s in ev.ctx.secrets if s)
+    found: dict[str, int] = defaultdict(int)
+    scanned = 0
+    for path in ev.log_files:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        scanned += 1
+        for needle in needles:
+            if needle in text:
+                found[path.name] += text.count(needle)
+    stored = "\n".join(ev.stored_texts())
+    for needle in needles:
+        if needle in stored:
+            found["database"] += stored.count(needle)
+    observed = sum(found.values())
+    detail = f"scanned {scanned} log files and stored errors for {len(needles)} secrets"
+    if found:
+        detail += f"; found in {dict(found)}"
+    return Result("secrets_in_logs", observed == 0, observed, "== 0", detail)
+
+
+COMMON = (lost_tasks, undetected_duplicate_billing, budget_violations, late_writes_accepted, secrets_in_logs)
+
+
+# --- building blocks for scenarios -----------------------------------------------------------------------
+def all_succeeded(ev: Evidence, *, phase: str | None = None) -> Result:
+    ids = [a.id for a in ev.ctx.accepted if phase is None or a.spec.phase == phase]
+    done = sum(1 for i in ids if ev.tasks.get(i) and ev.tasks[i].state == State.SUCCEEDED)
+    name = "all_succeeded" + (f"_{phase}" if phase else "")
+    failures = {ev.tasks[i].error_code for i in ids if ev.tasks.get(i) and ev.tasks[i].state != State.SUCCEEDED}
+    return Result(name, done == len(ids) and bool(ids), done, f"== {len(ids)}", f"others: {failures}" if failures else "")
+
+
+def one_billed_job_per_task(ev: Evidence) -> Result:
+    """Each task was billed exactly once (no retry, reconcile or fallback paid twice)."""
+    by_task: dict[str, int] = defaultdict(int)
+    for entry in ev.journal:
+        if entry["endpoint"] == "POST /v1/jobs" and entry["status"] in (201, None) and entry["job_id"]:
+            by_task[(entry["client_ref"] or "").rsplit("-", 1)[0]] += 1
+    billed = ev.invariants.get("billed_jobs", 0)
+    succeeded = sum(1 for t in ev.tasks.values() if t.state == State.SUCCEEDED)
+    return Result("one_billed_job_per_task", billed == succeeded, billed, f"== {succeeded} (succeeded tasks)")
+
+
+def reconciliations_adopted_lost_jobs(ev: Evidence) -> Result:
+    lost = len(ev.journal_where(endpoint="POST /v1/jobs", outcome_prefix="response_lost"))
+    adopted = sum(1 for j in ev.vendor_jobs if j.adopted and j.duplicate_of_id is None)
+    return Result("lost_responses_adopted", adopted >= lost > 0, adopted, f">= {lost} (responses lost)")
+
+
+def retries_waited_retry_after(ev: Evidence) -> Result:
+    """After a 429/503 with Retry-After, the same operation came back no sooner than told."""
+    violations, checked, extra = [], 0, []
+    by_key: dict[tuple, list[dict]] = defaultdict(list)
+    for entry in ev.journal:
+        key = (entry["endpoint"], entry["client_ref"] or entry["job_id"] or entry["idempotency_key"])
+        if key[1]:
+            by_key[key].append(entry)
+    for entries in by_key.values():
+        for first, following in zip(entries, entries[1:]):
+            if first["status"] not in (429, 503) or not first["retry_after"]:
+                continue
+            told = _retry_after_s(first)
+            waited = (following["ts"] - first["ts"]) / ev.ctx.time_scale
+            checked += 1
+            extra.append(waited - told)
+            if waited < told * 0.95 - 0.5:
+                violations.append(f"{first['endpoint']} waited {waited:.2f}s < {told}s")
+    spread = (max(extra) - min(extra)) if len(extra) > 1 else 0.0
+    ok = not violations and checked > 0 and spread > 0
+    detail = f"{checked} rate-limited requests checked; jitter spread {spread:.2f}s" + (f"; {violations[:3]}" if violations else "")
+    return Result("retries_waited_retry_after", ok, len(violations), "== 0 (and jitter on top)", detail)
+
+
+def _retry_after_s(entry: dict[str, Any]) -> float:
+    value = entry["retry_after"]
+    if value.isdigit():
+        return float(value)
+    when = parsedate_to_datetime(value).timestamp()
+    return max(when - math.floor(entry["ts"]), 0.0)
+
+
+def both_retry_after_forms_seen(ev: Evidence) -> Result:
+    values = [e["retry_after"] for e in ev.journal if e["retry_after"]]
+    seconds = sum(1 for v in values if v.isdigit())
+    dates = len(values) - seconds
+    return Result("retry_after_both_forms", seconds > 0 and dates > 0, {"seconds": seconds, "http_date": dates}, "> 0 each")
+
+
+def retries_spread(ev: Evidence, *, window_share: float = 0.1, limit: float = 0.35) -> Result:
+    """Retries of a herd spread out: no window of 10% of their span holds more than 35% of them."""
+    firsts: dict[str, float] = {}
+    retries: list[float] = []
+    for entry in ev.journal_where(endpoint="POST /v1/jobs"):
+        ref = entry["client_ref"]
+        if ref in firsts:
+            if firsts[ref] is not None:
+                retries.append(entry["ts"])
+                firsts[ref] = None
+        else:
+            firsts[ref] = entry["ts"]
+    if len(retries) < 5:
+        return Result("retries_spread", False, len(retries), ">= 5 retries to judge", "not enough retries happened")
+    retries.sort()
+    span = retries[-1] - retries[0]
+    width = span * window_share
+    crowded = max(sum(1 for t in retries if start <= t <= start + width) for start in retries) / len(retries)
+    return Result("retries_spread", crowded <= limit and span > 0, round(crowded, 3), f"<= {limit} of retries in any {int(window_share * 100)}% window",
+                  f"{len(retries)} retries over {span / ev.ctx.time_scale:.1f} nominal s")
+
+
+def polls_per_task_minute(ev: Evidence, *, bound: float = 2.0) -> Result:
+    polls = ev.journal_where(endpoint="GET /v1/jobs/*")
+    minutes = 0.0
+    for job in ev.vendor_jobs:
+        requests = [e["ts"] for e in polls if e["job_id"] == job.vendor_job_id]
+        if requests:
+            created = job.created_at.timestamp()
+            minutes += max((max(requests) - created) / ev.ctx.time_scale / 60.0, 1.0)
+    rate = round(len(polls) / minutes, 3) if minutes else 0.0
+    return Result("polls_per_task_minute", 0 < rate <= bound, rate, f"<= {bound}", f"{len(polls)} status requests over {minutes:.1f} task-minutes")
+
+
+def breaker_opened_and_closed(ev: Evidence, *, channel: str = "primary") -> Result:
+    transitions = list(BreakerTransition.objects.filter(channel_id=channel).order_by("at").values_list("to_state", flat=True))
+    opened = "OPEN" in transitions
+    closed_after = opened and "CLOSED" in transitions[transitions.index("OPEN"):]
+    return Result("breaker_opened_then_closed", opened and closed_after, " → ".join(transitions) or "none",
+                  "OPEN … HALF_OPEN → CLOSED")
+
+
+def some_tasks_on(ev: Evidence, channel: str, *, phase: str | None = None) -> Result:
+    ids = [a.id for a in ev.ctx.accepted if phase is None or a.spec.phase == phase]
+    count = sum(1 for i in ids if ev.tasks.get(i) and ev.tasks[i].channel_id == channel and ev.tasks[i].state == State.SUCCEEDED)
+    name = f"succeeded_on_{channel}" + (f"_{phase}" if phase else "")
+    return Result(name, count > 0, count, "> 0")
+
+
+def none_succeeded(ev: Evidence, *, phase: str) -> Result:
+    ids = [a.id for a in ev.ctx.accepted if a.spec.phase == phase]
+    count = sum(1 for i in ids if ev.tasks.get(i) and ev.tasks[i].state == State.SUCCEEDED)
+    return Result(f"none_succeeded_{phase}", count == 0 and bool(ids), count, f"== 0 of {len(ids)}")
+
+
+def nothing_billed(ev: Evidence, *, phase: str) -> Result:
+    ids = {a.id for a in ev.ctx.accepted if a.spec.phase == phase}
+    billed = sum(1 for j in ev.vendor_jobs if str(j.task_id) in ids)
+    return Result(f"nothing_billed_{phase}", billed == 0, billed, "== 0")
+
+
+def uploads_replayed_from_byte_zero(ev: Evidence) -> Result:
+    """Each operation whose upload was reset later sent the whole file."""
+    resets = ev.journal_where(outcome_prefix="reset mid-body")
+    sizes = {a.id: ev.tasks[a.id].file.size for a in ev.ctx.accepted if a.id in ev.tasks}
+    replayed = 0
+    for reset in resets:
+        ref = reset["client_ref"] or ""
+        task_id = ref.rsplit("-", 1)[0]
+        later = [e for e in ev.journal if e["client_ref"] == ref and e["ts"] > reset["ts"] and e["status"] == 201
+                 and e["endpoint"] in ("POST /v1/uploads", "POST /v1/jobs")]
+        if any(e["bytes_in"] == sizes.get(task_id) for e in later):
+            replayed += 1
+    return Result("resets_replayed_in_full", replayed == len(resets) and resets, replayed, f"== {len(resets)} resets")
+
+
+def duplicates_cancelled(ev: Evidence) -> Result:
+    """Every extra job Sluice found was cancelled at the vendor, unless it had already finished."""
+    extras = [j for j in ev.vendor_jobs if j.duplicate_of_id is not None]
+    left_running = [j for j in extras if j.terminal_at is None]
+    cancelled = sum(1 for j in extras if j.status == "canceled")
+    return Result("duplicates_stopped", bool(extras) and not left_running, {"extras": len(extras), "cancelled": cancelled,
+                  "still_running": len(left_running)}, "extras > 0, still_running == 0")
+
+
+def slots_all_released(ev: Evidence) -> Result:
+    observed = ev.open_slots + ev.live_vendor_jobs
+    return Result("budget_slots_released", observed == 0, {"open_slots": ev.open_slots, "live_jobs": ev.live_vendor_jobs}, "== 0")
+
+
+def exactly_one_terminal_state(ev: Evidence) -> Result:
+    bad = [tid for tid, events in ev.events.items() if sum(1 for e in events if e.to_state in TERMINAL_STATES) != 1]
+    return Result("exactly_one_terminal_state", not bad, len(bad), "== 0 tasks with more or less than one")
+
+
+def executions_never_overlap(ev: Evidence) -> Result:
+    """A new vendor job of a task starts only after the previous one was confirmed ended."""
+    jobs_by_task: dict[str, list] = defaultdict(list)
+    for job in ev.vendor_jobs:
+        if job.duplicate_of_id is None:
+            jobs_by_task[str(job.task_id)].append(job)
+    overlaps = 0
+    for jobs in jobs_by_task.values():
+        jobs.sort(key=lambda j: j.created_at)
+        for earlier, later in zip(jobs, jobs[1:]):
+            if earlier.terminal_at is None or earlier.terminal_at > later.created_at:
+                overlaps += 1
+    return Result("overlapping_executions", overlaps == 0, overlaps, "== 0")
+
+
+def no_orphaned_results(ev: Evidence) -> Result:
+    from django.conf import settings
+
+    root = Path(settings.RESULTS_DIR)
+    published = {t.result_path for t in ev.tasks.values() if t.result_path}
+    on_disk = {str(p.relative_to(root)) for tid in ev.tasks for p in (root / tid).glob("*")} if root.exists() else set()
+    orphans = on_disk - published
+    missing = [p for p in published if not result_file(p).exists()]
+    return Result("orphaned_result_files", not orphans and not missing, len(orphans), "== 0", f"missing {len(missing)}" if missing else "")
+
+
+def notifications_at_most_once(ev: Evidence) -> Result:
+    receiver = ev.ctx.receiver
+    if receiver is None:
+        return Result("notifications_at_most_once", False, "no receiver", "a receiver")
+    acked = receiver.acknowledged()
+    twice = {k: v for k, v in acked.items() if v > 1}
+    return Result("notifications_at_most_once", not twice and receiver.bad_signatures == 0, len(twice), "== 0 events acknowledged twice",
+                  f"{len(acked)} events acknowledged; bad signatures {receiver.bad_signatures}")
+
+
+def quarantined_with_reason(ev: Evidence, expected: dict[str, str]) -> Result:
+    """Each bad file (by content name) was quarantined with the right reason."""
+    wrong = []
+    for accepted in ev.ctx.accepted:
+        reason = expected.get(accepted.spec.content)
+        if reason is None:
+            continue
+        task = ev.tasks.get(accepted.id)
+        entry = Quarantine.objects.filter(sha256=accepted.sha256).first()
+        if task is None or task.error_code != "quarantined" or entry is None or entry.reason != reason:
+            wrong.append(f"{accepted.spec.content}: {getattr(entry, 'reason', None)} (task {getattr(task, 'state', None)})")
+    return Result("quarantined_with_right_reason", not wrong, len(wrong), "== 0 wrong or missing", "; ".join(wrong))
+
+
+def bad_files_never_reached_the_vendor(ev: Evidence, contents: set[str]) -> Result:
+    bad_ids = {a.id for a in ev.ctx.accepted if a.spec.content in contents}
+    calls = VendorCall.objects.filter(task_id__in=bad_ids).count()
+    journal = sum(1 for e in ev.journal if (e["client_ref"] or "").rsplit("-", 1)[0] in bad_ids)
+    return Result("bad_files_reached_vendor", calls == 0 and journal == 0, calls + journal, "== 0")
+
+
+def queue_wait_p95_under(ev: Evidence, *, lane: str, bound_s: float) -> Result:
+    p95 = ev.p95(ev.queue_waits_s(lane=lane))
+    return Result(f"{lane}_p95_queue_wait_s", p95 <= bound_s, p95, f"<= {bound_s}")
+
+
+def failing_notification_retried_without_rerun(ev: Evidence) -> Result:
+    receiver = ev.ctx.receiver
+    ids = [a.id for a in ev.ctx.accepted if a.spec.callback == "fail"]
+    if receiver is None or not ids:
+        return Result("failing_notification_retried", False, 0, "a task with a failing endpoint")
+    tries = [receiver.attempts_for_task(i) for i in ids]
+    reruns = sum(1 for i in ids if ev.tasks.get(i) and ev.tasks[i].attempts > 1)
+    return Result("failing_notification_retried_without_rerun", min(tries) >= 2 and reruns == 0,
+                  {"deliveries": tries, "task_reruns": reruns}, "deliveries >= 2, reruns == 0")
+
+
+def expired_only_past_deadline(ev: Evidence) -> Result:
+    early = []
+    for task in ev.tasks.values():
+        if task.state != State.EXPIRED or not task.queue_deadline_at:
+            continue
+        expired = next((e.at for e in ev.events[str(task.pk)] if e.to_state == State.EXPIRED), None)
+        if expired and expired < task.queue_deadline_at and task.error_code != "shed":
+            early.append(str(task.pk))
+    return Result("expired_only_past_deadline", not early, len(early), "== 0")
+
+
+def tenant_running_within_quota(ev: Evidence, tenant: str, limit: int) -> Result:
+    """Reconstructed from attempts: the tenant never had more executions at once than its quota."""
+    points = []
+    for accepted in ev.ctx.accepted:
+        if accepted.tenant != tenant:
+            continue
+        for attempt in ev.attempts.get(accepted.id, []):
+            points.append((attempt.started_at.timestamp(), 1))
+            points.append(((attempt.ended_at or attempt.started_at).timestamp(), -1))
+    points.sort(key=lambda p: (p[0], p[1]))
+    peak = current = 0
+    for _, step in points:
+        current += step
+        peak = max(peak, current)
+    return Result(f"quota_max_running_{tenant}", peak <= limit, peak, f"<= {limit}")
+
+
+def fair_share(ev: Evidence, *, lane: str, weights: dict[str, float], tolerance: float) -> Result:
+    """While every weighted tenant had work waiting in the lane, starts followed the weights."""
+    starts: list[tuple[float, str]] = []
+    queued: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for accepted in ev.ctx.accepted:
+        task = ev.tasks.get(accepted.id)
+        if task is None or task.lane_id != lane or accepted.tenant not in weights:
+            continue
+        events = ev.events[accepted.id]
+        q = next((e.at.timestamp() for e in events if e.to_state == State.QUEUED), None)
+        r = next((e.at.timestamp() for e in events if e.to_state == State.RUNNING), None)
+        if q and r:
+            starts.append((r, accepted.tenant))
+            queued[accepted.tenant].append((q, r))
+    contested = []
+    for at, tenant in starts:
+        if all(any(q <= at < r or (q <= at and r >= at) for q, r in queued[t]) for t in weights):
+            contested.append(tenant)
+    if len(contested) < 6:
+        return Result(f"fair_share_{lane}", False, len(contested), ">= 6 contested starts to judge")
+    total_weight = sum(weights.values())
+    shares = {t: round(contested.count(t) / len(contested), 3) for t in weights}
+    worst = max(abs(shares[t] - weights[t] / total_weight) for t in weights)
+    expected = {t: round(w / total_weight, 3) for t, w in weights.items()}
+    return Result(f"fair_share_{lane}", worst <= tolerance, shares, f"{expected} ± {tolerance}", f"{len(contested)} contested starts")

@@ -1,0 +1,144 @@
+"""Evidence of a run: Sluice's database, the vendor's journal, ledger and invariants, the logs."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from tasks.models import (
+    Attempt, BudgetSlot, DeadLetter, DuplicateIncident, Notification, Quarantine, Task, TaskEvent, VendorChannel,
+    VendorJob,
+)
+from tasks.poc.context import RunContext
+from tasks.states import State
+
+
+@dataclass
+class Evidence:
+    ctx: RunContext
+    tasks: dict[str, Task]
+    events: dict[str, list[TaskEvent]]
+    attempts: dict[str, list[Attempt]]
+    vendor_jobs: list[VendorJob]
+    incidents: list[DuplicateIncident]
+    channels: dict[str, VendorChannel]
+    open_slots: int
+    live_vendor_jobs: int
+    journal: list[dict[str, Any]]
+    invariants: dict[str, Any]
+    log_files: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def collect(cls, ctx: RunContext) -> Evidence:
+        ids = [a.id for a in ctx.accepted]
+        tasks = {str(t.pk): t for t in Task.objects.filter(pk__in=ids).select_related("file", "lane")}
+        events: dict[str, list[TaskEvent]] = defaultdict(list)
+        for event in TaskEvent.objects.filter(task_id__in=ids).order_by("at", "id"):
+            events[str(event.task_id)].append(event)
+        attempts: dict[str, list[Attempt]] = defaultdict(list)
+        for attempt in Attempt.objects.filter(task_id__in=ids).order_by("generation"):
+            attempts[str(attempt.task_id)].append(attempt)
+        logs: list[Path] = []
+        if ctx.stack is not None:
+            logs = sorted(ctx.stack.log_dir.glob("*.log"))
+        elif settings.LOG_FILE:
+            logs = [Path(settings.LOG_FILE)]
+        return cls(
+            ctx=ctx,
+            tasks=tasks,
+            events=events,
+            attempts=attempts,
+            vendor_jobs=list(VendorJob.objects.filter(task_id__in=ids)),
+            incidents=list(DuplicateIncident.objects.all()),
+            channels={c.name: c for c in VendorChannel.objects.all()},
+            open_slots=BudgetSlot.objects.filter(released_at__isnull=True, task_id__in=ids).count(),
+            live_vendor_jobs=VendorJob.objects.filter(terminal_at__isnull=True, task_id__in=ids).count(),
+            journal=ctx.control.journal(),
+            invariants=ctx.control.invariants(),
+            log_files=logs,
+        )
+
+    # --- derived facts -------------------------------------------------------------------------------
+    def states(self) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for task in self.tasks.values():
+            counts[task.state] += 1
+        return dict(counts)
+
+    def queue_waits_s(self, *, lane: str | None = None) -> list[float]:
+        """Nominal seconds from entering the queue to the first attempt starting, per task."""
+        waits = []
+        for task_id, events in self.events.items():
+            task = self.tasks.get(task_id)
+            if lane and (task is None or task.lane_id != lane):
+                continue
+            queued = next((e.at for e in events if e.to_state == State.QUEUED), None)
+            running = next((e.at for e in events if e.to_state == State.RUNNING and queued and e.at >= queued), None)
+            if queued and running:
+                waits.append((running - queued).total_seconds() / self.ctx.time_scale)
+        return waits
+
+    def p95(self, values: list[float]) -> float:
+        if not values:
+            return 0.0
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))], 3)
+
+    def count_events(self, *, to_state: str | None = None, reason_contains: str | None = None) -> int:
+        total = 0
+        for events in self.events.values():
+            for event in events:
+                if to_state and event.to_state != to_state:
+                    continue
+                if reason_contains and reason_contains not in event.reason:
+                    continue
+                total += 1
+        return total
+
+    def journal_where(self, *, endpoint: str | None = None, status: int | None = None, outcome_prefix: str | None = None,
+                      channel: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e for e in self.journal
+            if (endpoint is None or e["endpoint"] == endpoint)
+            and (status is None or e["status"] == status)
+            and (outcome_prefix is None or (e["outcome"] or "").startswith(outcome_prefix))
+            and (channel is None or e["channel"] == channel)
+        ]
+
+    def stored_texts(self) -> list[str]:
+        """Everything Sluice stored as free text: errors, history, dead letters, quarantine findings."""
+        ids = list(self.tasks)
+        texts: list[str] = []
+        for task in self.tasks.values():
+            texts += [task.error_message, task.error_code]
+        for events in self.events.values():
+            texts += [e.reason + " " + repr(e.data) for e in events]
+        texts += [repr(d.__dict__) for d in DeadLetter.objects.filter(task_id__in=ids)]
+        texts += [repr(q.findings) + q.reason for q in Quarantine.objects.all()]
+        texts += [repr(n.payload) + n.last_error for n in Notification.objects.filter(task_id__in=ids)]
+        texts += [a.note + a.error_code for attempts in self.attempts.values() for a in attempts]
+        return texts
+
+    def metrics(self) -> dict[str, Any]:
+        waits = self.queue_waits_s()
+        return {
+            "states": self.states(),
+            "vendor_jobs_billed": self.invariants.get("billed_jobs", 0),
+            "vendor_requests": len(self.journal),
+            "retries": self.count_events(to_state=State.RETRY_WAIT),
+            "reconciliations": self.count_events(to_state=State.RECONCILING),
+            "duplicates_detected": sum(len(i.duplicate_job_ids) for i in self.incidents),
+            "p95_queue_wait_s": self.p95(waits),
+            "median_queue_wait_s": round(statistics.median(waits), 3) if waits else 0.0,
+            "rejected_submissions": len(self.ctx.rejected),
+        }
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
