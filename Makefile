@@ -11,6 +11,9 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-sqlite test-distributed poc bench install browser migrate clean
 
+poc: install
+	$(PY) manage.py poc run all
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
@@ -36,12 +39,14 @@ test: install browser test-sqlite test-distributed
 
 test-sqlite: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) manage.py poc run all
 
 # The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI).
 test-distributed: install
 	@if $(PY) scripts/services_up.py; then \
 	  echo "== PostgreSQL + Redis =="; \
-	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS); \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS) && \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all; \
 	else echo "PostgreSQL or Redis not reachable on 127.0.0.1: distributed run skipped"; fi
 
 bench: install

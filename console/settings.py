@@ -166,6 +166,9 @@ VENDOR_WEBHOOK_SECRET = env("SLUICE_VENDOR_WEBHOOK_SECRET", "dev-webhook-secret"
 FAKEVENDOR_URL = env("FAKEVENDOR_URL", "http://127.0.0.1:9100")
 POC_LIVE_URL = env("SLUICE_LIVE_URL", "http://127.0.0.1:8000")
 FAKEVENDOR_ADMIN_TOKEN = env("FAKEVENDOR_ADMIN_TOKEN", "dev-admin-token")
+# A deliberately unsafe experiment for QA: resend after an ambiguous failure without reconciling
+# (what naive clients do). The POC scenarios must then fail. Never set it in production.
+UNSAFE_SKIP_RECONCILIATION = env("SLUICE_UNSAFE_SKIP_RECONCILIATION", False)
 LOG_FILE = env("SLUICE_LOG_FILE", "")
 LOG_STDERR = env("SLUICE_LOG_STDERR", True)
 

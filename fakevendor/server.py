@@ -160,6 +160,8 @@ class Connection:
         if close:
             all_headers.append(("Connection", "close"))
         self._write(h11.Response(status_code=status, headers=all_headers, reason=_reason(status)))
+        if isinstance(body, Path) and dribble:
+            body = body.read_bytes()
         if isinstance(body, Path):
             with open(body, "rb") as handle:
                 while chunk := handle.read(READ_SIZE):
@@ -229,6 +231,7 @@ class FakeVendor:
         self.buckets: dict[str, list[float]] = {}
         self.uploads_now: dict[str, int] = {}
         self.uploads_max: dict[str, int] = {}
+        self.in_flight = 0
         self.server: asyncio.AbstractServer | None = None
         self._callback_client = None
 
@@ -280,6 +283,9 @@ class FakeVendor:
                     break
         except (ClientGone, Aborted, ConnectionError, OverflowError):
             pass
+        except asyncio.CancelledError:
+            # The server is shutting down with this connection open: end it quietly.
+            pass
         except h11.RemoteProtocolError as exc:
             status = getattr(exc, "error_status_hint", 400)
             try:
@@ -317,6 +323,7 @@ class FakeVendor:
             return
         outcome = "ok"
         status: int | None = None
+        self.in_flight += 1
         try:
             status, outcome = await self._vendor(conn, request)
         except ClientGone:
@@ -326,6 +333,7 @@ class FakeVendor:
             outcome = str(exc) or "aborted"
             raise
         finally:
+            self.in_flight -= 1
             self.store.journal(
                 {
                     "at": time.time(), "method": request.method, "path": request.path,
@@ -672,6 +680,8 @@ class FakeVendor:
                 return _problem_tuple(429, "too_many_jobs", "Too many jobs in flight.", retryable=True,
                                       extra=[("Retry-After", "2")])
         job_rules = self.faults.decide(facts, "job")
+        if job_rules is not None and request.rule_id is None:
+            request.rule_id, request.draw = job_rules.rule_id, job_rules.draw
         job_rules = job_rules if job_rules is not None and job_rules.applied else None
         created = [self._new_job(name, channel, fields, options, key, input_path, size, sha, job_rules) for _ in range(copies)]
         first = created[0]
@@ -1022,6 +1032,7 @@ class FakeVendor:
             "requests_by_endpoint": by_endpoint,
             "requests_per_job": per_job,
             "billed_jobs": ledger["n"],
+            "requests_in_flight": self.in_flight,
             "billed_cents": ledger["cents"],
         }
 

@@ -125,16 +125,21 @@ def cancel_running(*, content: str) -> Callable:
     return act
 
 
-def cancel_as_the_job_completes(processing_nominal_s: float) -> Callable:
-    """Send each task's cancel right when its vendor job finishes, so cancel and success race."""
+def cancel_while_fetching(*, within_nominal_s: float = 5.0) -> Callable:
+    """Once a task's worker starts downloading its finished result, cancel it at a seeded moment
+    within the next few seconds: the download takes a random time too, so the cancel and the
+    success commit race and either may win."""
+    import random
+    import threading
 
     def act(ctx) -> None:
-        from tasks.models import VendorJob
-
-        ids = [a.id for a in ctx.accepted if a.id not in ctx.cancels]
-        for job in VendorJob.objects.filter(task_id__in=ids, duplicate_of__isnull=True):
-            due = job.created_at.timestamp() + ctx.scaled(processing_nominal_s)
-            if time.time() >= due:
-                ctx.cancel(str(job.task_id))
+        rng = ctx.notes.setdefault("_cancel_rng", random.Random(ctx.seed))
+        planned = ctx.notes.setdefault("_cancel_planned", set())
+        ids = [a.id for a in ctx.accepted if a.id not in planned]
+        for task_id in Task.objects.filter(pk__in=ids, state=State.RUNNING, phase=Task.Phase.FETCH).values_list("pk", flat=True):
+            planned.add(str(task_id))
+            timer = threading.Timer(ctx.scaled(rng.uniform(0, within_nominal_s)), ctx.cancel, args=(str(task_id),))
+            timer.daemon = True
+            timer.start()
 
     return act

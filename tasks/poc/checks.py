@@ -389,3 +389,54 @@ def fair_share(ev: Evidence, *, lane: str, weights: dict[str, float], tolerance:
     worst = max(abs(shares[t] - weights[t] / total_weight) for t in weights)
     expected = {t: round(w / total_weight, 3) for t, w in weights.items()}
     return Result(f"fair_share_{lane}", worst <= tolerance, shares, f"{expected} ± {tolerance}", f"{len(contested)} contested starts")
+
+
+def cancel_answers_match_outcomes(ev: Evidence) -> Result:
+    """A cancel answered 409 means success had won; one accepted (202) means the task ended CANCELLED."""
+    wrong = []
+    for task_id, status in ev.ctx.cancels.items():
+        state = ev.tasks[task_id].state if task_id in ev.tasks else None
+        if status == 409 and state != State.SUCCEEDED:
+            wrong.append(f"{task_id}: 409 but {state}")
+        if status == 202 and state != State.CANCELLED:
+            wrong.append(f"{task_id}: 202 but {state}")
+    return Result("cancel_answers_match_outcomes", not wrong and bool(ev.ctx.cancels), len(wrong), "== 0",
+                  f"{len(ev.ctx.cancels)} cancels; " + "; ".join(wrong[:3]))
+
+
+def race_exercised(ev: Evidence) -> Result:
+    states = [ev.tasks[t].state for t in ev.ctx.cancels if t in ev.tasks]
+    won = {"cancel": states.count(State.CANCELLED), "success": states.count(State.SUCCEEDED)}
+    return Result("both_outcomes_seen", won["cancel"] > 0 and won["success"] > 0, won, "> 0 each")
+
+
+def cancelled_leave_no_result(ev: Evidence) -> Result:
+    from django.conf import settings
+
+    root = Path(settings.RESULTS_DIR)
+    traces = [str(t.pk) for t in ev.tasks.values()
+              if t.state == State.CANCELLED and (t.result_path or (root / str(t.pk)).exists() and any((root / str(t.pk)).iterdir()))]
+    return Result("cancelled_tasks_left_no_result", not traces, len(traces), "== 0")
+
+
+def late_results_rejected(ev: Evidence) -> Result:
+    count = ev.count_events(reason_contains="late result discarded")
+    return Result("late_results_rejected", count > 0, count, "> 0 (a fenced attempt's result came in and was refused)")
+
+
+def outcomes_by_content(ev: Evidence, expected: dict[str, tuple[str, ...]]) -> Result:
+    wrong = []
+    for accepted in ev.ctx.accepted:
+        allowed = expected.get(accepted.spec.content)
+        task = ev.tasks.get(accepted.id)
+        if allowed and (task is None or task.state not in allowed):
+            wrong.append(f"{accepted.spec.content}: {getattr(task, 'state', None)} ({getattr(task, 'error_code', '')})")
+    return Result("outcomes_as_expected", not wrong, len(wrong), f"== 0 ({expected})", "; ".join(wrong[:4]))
+
+
+def noted(name: str, key: str, expected: str = "recorded") -> Any:
+    def check(ev: Evidence) -> Result:
+        value = ev.ctx.notes.get(key)
+        return Result(name, value is not None, value, expected)
+
+    return check

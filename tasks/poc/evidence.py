@@ -137,6 +137,10 @@ class Evidence:
             "p95_queue_wait_s": self.p95(waits),
             "median_queue_wait_s": round(statistics.median(waits), 3) if waits else 0.0,
             "rejected_submissions": len(self.ctx.rejected),
+            "p95_queue_wait_s_by_lane": {
+                lane: self.p95(self.queue_waits_s(lane=lane))
+                for lane in sorted({t.lane_id for t in self.tasks.values() if t.lane_id})
+            },
         }
 
 

@@ -188,7 +188,11 @@ def quiesce(ctx: RunContext, *, until: float) -> None:
             pending_notes = pending_notes.exclude(url__endswith="/fail")
         live_jobs = VendorJob.objects.filter(task_id__in=ids, terminal_at__isnull=True, cancel_requested_at__isnull=False)
         states = ctx.states()
-        if not pending_notes.exists() and not live_jobs.exists() and all(s in TERMINAL_STATES for s in states.values()):
+        # The run is not over while the vendor is still answering someone (a fenced attempt's
+        # slow download, for instance): its late write must be seen being refused.
+        vendor_busy = ctx.control.invariants().get("requests_in_flight", 0) > 0
+        if (not pending_notes.exists() and not live_jobs.exists() and not vendor_busy
+                and all(s in TERMINAL_STATES for s in states.values())):
             if not (ctx.receiver is not None and _failing_deliveries_short(ctx)):
                 return
         ctx.progress("settling: ")
@@ -202,52 +206,58 @@ def _failing_deliveries_short(ctx: RunContext) -> bool:
 
 
 class ActionRunner:
-    """Runs the scenario's timed and conditional actions next to the workload."""
+    """Runs the scenario's timed and conditional actions next to the workload, each in its own
+    thread so a slow one never delays another."""
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.done: set[str] = set()
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.errors: list[str] = []
+        self.threads = [
+            threading.Thread(target=self._loop, args=(action,), daemon=True)
+            for action in ctx.scenario.actions if not action.before_phase
+        ]
+        self.last_error: dict[str, str] = {}
+        self.succeeded: set[str] = set()
 
     def start(self) -> None:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self.thread.join(timeout=10)
-        if self.errors:
-            self.ctx.notes["action_errors"] = self.errors
+        for thread in self.threads:
+            thread.join(timeout=10)
+        failed = {name: error for name, error in self.last_error.items() if name not in self.succeeded}
+        if failed:
+            self.ctx.notes["action_errors"] = failed
 
     def before_phase(self, phase: str) -> None:
         for action in self.ctx.scenario.actions:
             if action.before_phase == phase:
                 self._run(action)
 
-    def _run(self, action) -> None:
+    def _run(self, action) -> bool:
         try:
             action.do(self.ctx)
+            return True
         except Exception as exc:  # noqa: BLE001 - recorded in the report, the run goes on
-            self.errors.append(f"{action.name}: {type(exc).__name__}: {exc}")
-        if not action.repeat:
-            self.done.add(action.name)
+            self.last_error[action.name] = f"{type(exc).__name__}: {exc}"
+            return False
 
-    def _loop(self) -> None:
+    def _loop(self, action) -> None:
         from django.db import connection
 
         try:
             while not self._stop.is_set():
-                for action in self.ctx.scenario.actions:
-                    if action.name in self.done or action.before_phase:
-                        continue
-                    due = action.at_s is not None and self.ctx.elapsed_nominal() >= action.at_s
-                    try:
-                        ready = action.when(self.ctx) if action.when else False
-                    except Exception:  # noqa: BLE001
-                        ready = False
-                    if due or ready:
-                        self._run(action)
-                time.sleep(0.05)
+                due = action.at_s is not None and self.ctx.elapsed_nominal() >= action.at_s
+                try:
+                    ready = action.when(self.ctx) if action.when else False
+                except Exception:  # noqa: BLE001
+                    ready = False
+                if (due or ready) and self._run(action):
+                    self.succeeded.add(action.name)
+                    if not action.repeat:
+                        return
+                time.sleep(0.02)
         finally:
             connection.close()

@@ -253,6 +253,8 @@ def _submit_failed(task: Task, err: VendorError, *, stage: str) -> None:
         task_update(task.pk, state=S.RUNNING, generation=task.generation, upload_id="", upload_expires_at=None)
     if outcome == Outcome.NOT_PROCESSED:
         retry_or_fallback(task, err, source=S.RUNNING)
+    elif outcome == Outcome.AMBIGUOUS and settings.UNSAFE_SKIP_RECONCILIATION:
+        retry_or_fallback(task, err, source=S.RUNNING, new_operation=True)
     elif outcome == Outcome.AMBIGUOUS:
         to_reconciling(task, err)
     elif outcome == Outcome.ALARM:
@@ -618,8 +620,13 @@ def _reconcile(task: Task) -> str:
     slots_release(task.pk, JOB, reason="bound to adopted vendor job")
     _log("reconciled", task_id=task.pk, channel=channel.name, decision="adopt", vendor_job_id=keep.id)
     if timed_out and not keep.terminal:
-        VendorJob.objects.filter(pk=record.pk).update(cancel_requested_at=timezone.now())
-        cancel_vendor_job(record, client)
+        VendorJob.objects.filter(pk=record.pk, cancel_requested_at__isnull=True).update(cancel_requested_at=timezone.now())
+        status = cancel_vendor_job(record, client)
+        if status not in VendorJob.TERMINAL and status != "gone":
+            # Not stopped yet: a new execution starts only once this one is confirmed ended.
+            task_update(task.pk, state=S.RECONCILING, generation=generation, lease_owner="", lease_expires_at=None,
+                        due_at=timescale.after(PollPolicy.for_channel(channel).initial_s))
+            return "waiting_for_cancel"
         from tasks.vendor.classification import Row
 
         err = VendorError(Row(Outcome.NOT_PROCESSED, False, "the attempt exceeded its execution timeout"),

@@ -262,10 +262,11 @@ class Scratch:
                     pass
 
     def cleanup(self, *, keep: bool) -> None:
+        if keep:
+            return
         for database in reversed(self.created_databases):
             try:
                 self._admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
             except Exception:  # noqa: BLE001 - cleanup must not hide the run's result
                 pass
-        if not keep:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
