@@ -1,0 +1,201 @@
+"""Lanes, admission control, quotas, fair share, deadlines and waiting reasons."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from tasks.models import ChannelHealth, Lane, QuotaOverride, Task, TenantQuota, VendorChannel
+from tasks.poc import files
+from tasks.scheduling.dispatch import admit_deferred, tick, waiting_reason
+from tasks.services.tenancy import tenant_ensure, token_issue
+from tests.conftest import run_until, wait_for
+from tests.support.flows import route, submit_file
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def client_for(name: str):
+    from django.test import Client
+
+    return Client(HTTP_AUTHORIZATION=f"Bearer {token_issue(tenant=tenant_ensure(name=name)).token}")
+
+
+def submit_raw(api, content: bytes, **body):
+    file_id = api.post("/api/v1/files", data=content, content_type="application/octet-stream").json()["id"]
+    payload = {"file_id": file_id, "kind": "transcription", "target_format": "txt", **body}
+    return api.post("/api/v1/tasks", data=json.dumps(payload), content_type="application/json")
+
+
+# --- lanes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content,name,kind,priority,lane", [
+    (files.wav(2), "a.wav", "transcription", "interactive", "interactive"),
+    (files.wav(2), "a.wav", "transcription", "batch", "batch"),
+    (files.pdf(320), "big.pdf", "conversion", "interactive", "heavy"),
+    (b"\x00\x01binary of unknown kind" * 100, "data.bin", "conversion", "interactive", "unknown-risk"),
+], ids=["small-interactive", "batch", "many-pages-is-heavy", "unknown-content"])
+def test_the_lane_follows_priority_cost_and_the_pre_check_not_size_alone(vendor, api, content, name, kind, priority, lane):
+    task = route(submit_file(api, content, name=name, kind=kind, target="txt", priority=priority))
+    assert task.lane_id == lane, (task.state, task.error_code)
+
+
+# --- admission ------------------------------------------------------------------------------------------
+def test_a_full_lane_with_the_reject_policy_answers_503_with_retry_after(api, vendor):
+    Lane.objects.filter(pk="interactive").update(max_queued=2, overflow_policy="reject")
+    assert submit_raw(api, files.wav(), priority="interactive").status_code == 202
+    assert submit_raw(api, files.wav(), priority="interactive").status_code == 202
+    answer = submit_raw(api, files.wav(), priority="interactive")
+    assert answer.status_code == 503 and answer.json()["code"] == "backlog_full"
+    assert int(answer["Retry-After"]) >= 1 and "interactive" in answer.json()["detail"]
+    assert Task.objects.count() == 2
+
+
+def test_best_effort_admission_closes_early(api, vendor):
+    Lane.objects.filter(pk="batch").update(max_queued=10, early_close_pct=50, overflow_policy="reject")
+    statuses = [submit_raw(api, files.wav(), priority="batch").status_code for _ in range(7)]
+    assert statuses == [202] * 5 + [503, 503]
+
+
+def test_shed_oldest_expires_the_oldest_waiting_task_with_a_reason(api, vendor):
+    Lane.objects.filter(pk="batch").update(max_queued=2, overflow_policy="shed-oldest", max_running=0, early_close_pct=100)
+    first = route(submit_file(api, priority="batch"))
+    second = route(submit_file(api, priority="batch"))
+    assert first.state == second.state == "QUEUED"
+    third = submit_raw(api, files.wav(), priority="batch")
+    assert third.status_code == 202
+    shed = Task.objects.get(pk=first.pk)
+    assert shed.state == "EXPIRED" and shed.error_code == "shed"
+    assert "oldest waiting task" in shed.events.last().reason
+
+
+def test_defer_accepts_and_admits_later_when_there_is_room(api, vendor):
+    Lane.objects.filter(pk="batch").update(max_queued=1, overflow_policy="defer", max_running=0, early_close_pct=100)
+    queued = route(submit_file(api, priority="batch"))
+    answer = submit_raw(api, files.wav(), priority="batch")
+    assert answer.status_code == 202
+    deferred = route(answer.json()["id"])
+    assert deferred.state == "ACCEPTED" and deferred.deferred
+    assert api.get(f"/api/v1/tasks/{deferred.pk}").json()["waiting_reason"] == "lane_full"
+    Lane.objects.filter(pk="batch").update(max_queued=5)
+    assert admit_deferred(timezone.now()) == 1
+    assert Task.objects.get(pk=deferred.pk).state == "QUEUED" and queued.state == "QUEUED"
+
+
+# --- quotas ----------------------------------------------------------------------------------------------
+def test_over_the_queued_quota_is_429_naming_the_quota(api, tenant, vendor):
+    TenantQuota.objects.filter(tenant=tenant).update(max_queued=1)
+    assert submit_raw(api, files.wav()).status_code == 202
+    answer = submit_raw(api, files.wav())
+    assert answer.status_code == 429 and answer.json()["code"] == "over_quota"
+    assert answer.json()["quota"] == "max_queued" and "max_queued" in answer.json()["detail"]
+    assert int(answer["Retry-After"]) >= 1
+
+
+def test_submissions_per_minute_and_a_time_boxed_override(api, tenant, vendor):
+    TenantQuota.objects.filter(tenant=tenant).update(submissions_per_minute=2)
+    assert [submit_raw(api, files.wav()).status_code for _ in range(3)] == [202, 202, 429]
+    now = timezone.now()
+    QuotaOverride.objects.create(tenant=tenant, field="submissions_per_minute", value=10, starts_at=now - timedelta(seconds=1),
+                                 ends_at=now + timedelta(hours=1), reason="campaign")
+    assert submit_raw(api, files.wav()).status_code == 202
+    QuotaOverride.objects.update(ends_at=now)
+    assert submit_raw(api, files.wav()).json()["quota"] == "submissions_per_minute"
+
+
+def test_bytes_per_day_quota(api, tenant, vendor):
+    TenantQuota.objects.filter(tenant=tenant).update(bytes_per_day=len(files.wav()) * 2)
+    assert [submit_raw(api, files.wav()).status_code for _ in range(3)] == [202, 202, 429]
+
+
+# --- waiting reasons and fair share ---------------------------------------------------------------------------
+def test_every_waiting_task_says_why(api, tenant, vendor):
+    task = route(submit_file(api, priority="batch"))
+    Lane.objects.filter(pk="batch").update(paused=True)
+    Task.objects.filter(pk=task.pk).update(dispatched_at=None)
+    reload = lambda: Task.objects.select_related("lane", "tenant").get(pk=task.pk)  # noqa: E731
+    assert waiting_reason(reload()) == "lane_paused"
+    Lane.objects.filter(pk="batch").update(paused=False, max_running=0)
+    assert waiting_reason(reload()) == "lane_full"
+    Lane.objects.filter(pk="batch").update(max_running=10)
+    TenantQuota.objects.filter(tenant=tenant).update(max_running=0)
+    assert waiting_reason(reload()) == "tenant_at_quota"
+    TenantQuota.objects.filter(tenant=tenant).update(max_running=None)
+    ChannelHealth.objects.update(breaker_state="FORCED_OPEN", opened_at=timezone.now())
+    assert waiting_reason(reload()) == "breaker_open"
+    ChannelHealth.objects.update(breaker_state="CLOSED")
+    VendorChannel.objects.update(max_inflight_jobs=0)
+    assert waiting_reason(reload()) == "vendor_budget"
+    VendorChannel.objects.update(max_inflight_jobs=20)
+    assert waiting_reason(reload()) == "fair_share"
+
+
+def test_a_flood_from_one_tenant_does_not_starve_a_trickle_from_another(inline_queue):
+    """Fair share: with two slots, the trickle's tasks start long before the flood drains."""
+    Lane.objects.filter(pk="batch").update(max_running=2, aging_s=3600)
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    inline_queue.control.channel("primary", processing_ms=3000)
+    flood, trickle = client_for("flood"), client_for("trickle")
+    flood_ids = [submit_file(flood, priority="batch") for _ in range(12)]
+    trickle_ids = [submit_file(trickle, priority="batch") for _ in range(3)]
+    for task_id in trickle_ids:
+        run_until(task_id, timeout=60)
+    flood_done = Task.objects.filter(pk__in=flood_ids, state="SUCCEEDED").count()
+    assert flood_done <= 8, f"{flood_done} of the flood finished before the trickle's 3 did"
+    for task_id in flood_ids:
+        run_until(task_id, timeout=60)
+
+
+# --- deadlines ------------------------------------------------------------------------------------------
+def test_a_task_past_its_queue_deadline_expires_instead_of_starting_late(api, vendor):
+    Lane.objects.filter(pk="interactive").update(max_running=0)
+    task = route(submit_file(api))
+    Task.objects.filter(pk=task.pk).update(queue_deadline_at=timezone.now() - timedelta(seconds=1))
+    tick()
+    expired = Task.objects.get(pk=task.pk)
+    assert expired.state == "EXPIRED" and expired.error_code == "queue_deadline_exceeded"
+    assert expired.attempts == 0
+
+
+def test_the_business_deadline_fails_the_task_and_cancels_its_vendor_job(inline_queue, api):
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    inline_queue.control.channel("primary", processing_ms=600_000)
+    task_id = submit_file(api)
+    run_until(task_id, states=("RUNNING",))
+    wait_for(lambda: Task.objects.get(pk=task_id).vendor_job_id, message="a vendor job")
+    Task.objects.filter(pk=task_id).update(deadline_at=timezone.now() - timedelta(seconds=1))
+    task = run_until(task_id, states=("FAILED",))
+    assert task.error_code == "deadline_exceeded"
+    wait_for(lambda: (tick() or True) and task.vendor_jobs.filter(status="canceled", terminal_at__isnull=False).exists(),
+             timeout=20, message="the vendor job to be cancelled")
+
+
+# --- budgets across real worker processes ------------------------------------------------------------------
+@pytest.mark.slow
+def test_channel_budgets_hold_across_worker_processes(vendor, api, tmp_path):
+    from tasks.system import Stack
+    from tests.conftest import TEST_TIME_SCALE
+
+    VendorChannel.objects.filter(name="primary").update(max_inflight_jobs=3, max_concurrent_uploads=2, reserved_for_interactive=0)
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    Lane.objects.filter(pk__in=["interactive", "batch"]).update(max_running=50)
+    vendor.control.channel("primary", processing_ms=3000)
+    vendor.control.add_rule({"endpoint": "POST /v1/uploads", "type": "bandwidth", "params": {"bytes_per_s": 2_000_000}})
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
+    try:
+        stack.start_dispatcher()
+        stack.start_dispatcher(name="dispatcher-2")
+        stack.start_cluster(None)
+        stack.start_cluster("interactive", workers=3)
+        stack.start_cluster("batch", workers=3)
+        ids = [submit_file(api, files.wav(30), priority=("interactive" if i % 2 else "batch")) for i in range(14)]
+        wait_for(lambda: Task.objects.filter(pk__in=ids, state="SUCCEEDED").count() == 14, timeout=120,
+                 message="all tasks to succeed")
+    finally:
+        stack.stop_all()
+    seen = vendor.control.invariants()
+    assert seen["max_concurrent_jobs_by_channel"]["primary"] <= 3
+    assert seen["max_concurrent_uploads_by_channel"]["primary"] <= 2
+    assert seen["billed_jobs"] == 14 and seen["duplicate_billed_client_refs"] == []
