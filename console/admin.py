@@ -1,12 +1,466 @@
-"""Model admins of the operator console."""
+"""Model admins of the operator console. Read-only where state is concerned: every action goes
+through the domain services (tasks.services.operations), is permission-checked and audited."""
 
-from django.contrib import admin
+from __future__ import annotations
+
+import uuid
+
+from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin
+from django.db.models import Q
+from django.http import HttpRequest, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html
 
 from console.admin_site import site
-from tasks.models import Task
+from console.models import BulkOperation, PocRun
+from console.roles import role_of
+from tasks.models import (
+    AuditEntry, DeadLetter, DuplicateIncident, Lane, LedgerEntry, Notification, Quarantine, QuotaOverride, Task,
+    Tenant, TenantQuota, VendorCall, VendorChannel, VendorJob,
+)
+from tasks.scheduling.dispatch import waiting_reason
+from tasks.services.operations import TASK_ACTIONS
+
+CONFIGURE = "tasks.configure"
+
+
+class ReadOnly(admin.ModelAdmin):
+    """Visible to every role; nothing is edited through a form."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class Configurable(admin.ModelAdmin):
+    """Editable by the admin role (tasks.configure), visible to every role."""
+
+    def has_add_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        from tasks.services.audit import audit
+
+        audit(actor=request.user.get_username(), action=f"{obj._meta.model_name}_{'change' if change else 'add'}",
+              target_type=obj._meta.model_name, target_id=str(obj.pk), done=1,
+              detail={"fields": sorted(form.changed_data)})
+
+
+# --- tasks ------------------------------------------------------------------------------------------
+class ErrorCodeFilter(admin.SimpleListFilter):
+    title = "error code"
+    parameter_name = "error_code"
+
+    def lookups(self, request, model_admin):
+        codes = Task.objects.exclude(error_code="").order_by().values_list("error_code", flat=True).distinct()[:50]
+        return [(c, c) for c in codes]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(error_code=self.value()) if self.value() else queryset
+
+
+class CreatedRangeFilter(admin.ListFilter):
+    """Time range on created_at: ?created_from=2026-11-29T10:00&created_to=…"""
+
+    title = "created between"
+    template = "console/filters/range.html"
+    params = ("created_from", "created_to")
+
+    def __init__(self, request, params, model, model_admin):
+        super().__init__(request, params, model, model_admin)
+        self.values = {}
+        for name in self.params:
+            if name in params:
+                value = params.pop(name)
+                self.values[name] = value[-1] if isinstance(value, list) else value
+
+    def has_output(self):
+        return True
+
+    def expected_parameters(self):
+        return list(self.params)
+
+    def queryset(self, request, queryset):
+        from django.utils.dateparse import parse_datetime
+        from django.utils.timezone import make_aware, is_naive
+
+        for name, lookup in (("created_from", "created_at__gte"), ("created_to", "created_at__lte")):
+            value = parse_datetime(self.values.get(name, "") or "")
+            if value:
+                queryset = queryset.filter(**{lookup: make_aware(value) if is_naive(value) else value})
+        return queryset
+
+    def choices(self, changelist):
+        yield {"values": self.values, "query": changelist.get_query_string(remove=list(self.params))}
 
 
 @admin.register(Task, site=site)
-class TaskAdmin(admin.ModelAdmin):
-    list_display = ("id", "tenant", "state", "lane", "kind", "created_at")
-    list_filter = ("state", "lane", "kind")
+class TaskAdmin(ReadOnly):
+    list_display = ("short_id", "tenant", "state_badge", "lane", "kind", "priority", "channel", "attempts",
+                    "error_code", "created_at")
+    list_filter = ("state", "lane", "kind", "priority", ("tenant", admin.RelatedOnlyFieldListFilter), ErrorCodeFilter,
+                   ("channel", admin.RelatedOnlyFieldListFilter), CreatedRangeFilter)
+    search_fields = ("vendor_client_ref",)
+    search_help_text = "Task id, vendor job id, client ref, or an Idempotency-Key (ours or the vendor's)."
+    list_select_related = ("tenant", "lane", "channel")
+    date_hierarchy = "created_at"
+    change_list_template = "console/task_change_list.html"
+    show_full_result_count = True
+    actions = ["bulk_retry_now", "bulk_cancel", "bulk_replay"]
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: Task):
+        return format_html('<a href="{}"><code>{}</code></a>', reverse("admin:tasks_task_change", args=[obj.pk]), str(obj.pk)[:8])
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj: Task):
+        return format_html('<span class="sluice-state sluice-{}">{}</span>', obj.state.lower(), obj.state)
+
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        query = Q(vendor_client_ref__icontains=term) | Q(idempotency_key=term) | Q(vendor_idempotency_key=term)
+        query |= Q(vendor_jobs__vendor_job_id=term)
+        try:
+            query |= Q(pk=uuid.UUID(term))
+        except ValueError:
+            pass
+        return queryset.filter(query).distinct(), True
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.has_perm("tasks.view_task")
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        for name, (permission, _, _) in TASK_ACTIONS.items():
+            if not request.user.has_perm(permission):
+                actions.pop(f"bulk_{name}", None)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def _to_preview(self, request, queryset, action: str):
+        if request.POST.get("select_across") == "1":
+            params = {k: v for k, v in request.GET.lists()}
+            params = {k: (v if len(v) > 1 else v[0]) for k, v in params.items()}
+        else:
+            params = {"ids": [str(pk) for pk in queryset.values_list("pk", flat=True)]}
+        request.session["bulk_filter"] = params
+        return HttpResponseRedirect(reverse("admin:bulk_preview", args=[action]))
+
+    @admin.action(description="Retry now… (preview first)")
+    def bulk_retry_now(self, request, queryset):
+        return self._to_preview(request, queryset, "retry_now")
+
+    @admin.action(description="Cancel… (preview first)")
+    def bulk_cancel(self, request, queryset):
+        return self._to_preview(request, queryset, "cancel")
+
+    @admin.action(description="Replay… (preview first)")
+    def bulk_replay(self, request, queryset):
+        return self._to_preview(request, queryset, "replay")
+
+    def change_view(self, request: HttpRequest, object_id, form_url="", extra_context=None):
+        task = Task.objects.select_related("tenant", "lane", "channel", "file", "vendor_job").filter(pk=object_id).first()
+        if task is None or not self.has_view_permission(request, task):
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        jobs = list(VendorJob.objects.filter(task=task).order_by("created_at"))
+        ledger = {e.job_id: e for e in LedgerEntry.objects.filter(job_id__in=[j.vendor_job_id for j in jobs])}
+        actions = [
+            (name, label) for name, (permission, _, label) in TASK_ACTIONS.items() if request.user.has_perm(permission)
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Task {task.pk}",
+            "opts": self.opts,
+            "task": task,
+            "events": task.events.order_by("at", "id"),
+            "attempts": task.attempt_rows.order_by("generation"),
+            "calls": VendorCall.objects.filter(task=task).order_by("-id")[:100],
+            "jobs": [(job, ledger.get(job.vendor_job_id)) for job in jobs],
+            "incidents": DuplicateIncident.objects.filter(task=task),
+            "findings": task.file.precheck_findings or {},
+            "waiting_reason": waiting_reason(task),
+            "notifications": Notification.objects.filter(task=task),
+            "dead_letters": DeadLetter.objects.filter(task=task),
+            "actions": actions,
+            "role": role_of(request.user),
+        }
+        return TemplateResponse(request, "console/task_detail.html", context)
+
+
+# --- quarantine, dead letters, notifications ------------------------------------------------------------
+@admin.register(Quarantine, site=site)
+class QuarantineAdmin(ReadOnly):
+    list_display = ("id", "tenant", "reason", "detector_version", "created_at", "expires_at", "status")
+    list_filter = ("reason", ("tenant", admin.RelatedOnlyFieldListFilter))
+    readonly_fields = ("tenant", "reason", "detector_version", "converter_version", "findings", "created_at", "expires_at",
+                       "released_at", "released_by", "purged_at", "sha256")
+    exclude = ("file", "release_params")
+    change_form_template = "console/quarantine_change_form.html"
+
+    @admin.display(description="status")
+    def status(self, obj: Quarantine):
+        return "purged" if obj.purged_at else "released" if obj.released_at else "held"
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.has_perm("tasks.manage_quarantine")
+
+    def has_module_permission(self, request):
+        return request.user.has_perm("tasks.manage_quarantine")
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra_context = {**(extra_context or {}),
+                         "can_act": request.user.has_perm("tasks.manage_quarantine"),
+                         "can_open": request.user.has_perm("tasks.open_quarantined_file")}
+        return super().change_view(request, object_id, form_url, extra_context)
+
+
+@admin.register(DeadLetter, site=site)
+class DeadLetterAdmin(ReadOnly):
+    """References only: no content, no filenames, no download links."""
+
+    list_display = ("task_link", "tenant", "error_class", "error_code", "attempts", "created_at", "resolution")
+    list_filter = ("error_code", "resolution", ("tenant", admin.RelatedOnlyFieldListFilter))
+    actions = ["replay", "discard"]
+
+    @admin.display(description="task")
+    def task_link(self, obj: DeadLetter):
+        return format_html('<a href="{}"><code>{}</code></a>', reverse("admin:tasks_task_change", args=[obj.task_id]),
+                           str(obj.task_id)[:8])
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.has_perm("tasks.manage_quarantine")
+
+    def has_module_permission(self, request):
+        return request.user.has_perm("tasks.manage_quarantine")
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        if not request.user.has_perm("tasks.manage_quarantine"):
+            return {}
+        return actions
+
+    def _preview(self, request, queryset, action):
+        request.session["bulk_filter"] = {"ids": [str(t) for t in queryset.values_list("task_id", flat=True)]}
+        return HttpResponseRedirect(reverse("admin:bulk_preview", args=[action]))
+
+    @admin.action(description="Replay… (preview first)")
+    def replay(self, request, queryset):
+        return self._preview(request, queryset, "replay")
+
+    @admin.action(description="Discard… (preview first)")
+    def discard(self, request, queryset):
+        return self._preview(request, queryset, "discard")
+
+
+@admin.register(Notification, site=site)
+class NotificationAdmin(ReadOnly):
+    list_display = ("event_id", "task", "event_type", "status", "attempts", "last_status_code", "last_error", "next_attempt_at")
+    list_filter = ("status", "event_type")
+    exclude = ("payload", "url")
+    readonly_fields = ("event_id", "task", "tenant", "event_type", "status", "attempts", "max_attempts", "next_attempt_at",
+                       "last_status_code", "last_error", "delivered_at", "created_at")
+    actions = ["resend"]
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions if request.user.has_perm("tasks.operate_tasks") else {}
+
+    @admin.action(description="Re-send (same event id)")
+    def resend(self, request, queryset):
+        from tasks.services.audit import audit
+        from tasks.services.notifications import notification_resend
+
+        done = sum(notification_resend(notification_id=n.pk) for n in queryset)
+        skipped = queryset.count() - done
+        audit(actor=request.user.get_username(), action="notification_resend", target_type="notification",
+              done=done, skipped=skipped, detail={"ids": [n.pk for n in queryset][:100]})
+        self.message_user(request, f"{done} re-sent, {skipped} were still being delivered", messages.SUCCESS)
+
+
+# --- configuration ------------------------------------------------------------------------------------------
+@admin.register(Lane, site=site)
+class LaneAdmin(Configurable):
+    list_display = ("name", "paused", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s",
+                    "overflow_policy", "early_close_pct", "dispatch_order")
+    list_editable = ()
+    actions = ["pause", "resume"]
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions if request.user.has_perm("tasks.operate_channels") else {}
+
+    @admin.action(description="Pause")
+    def pause(self, request, queryset):
+        from tasks.services.operations import lane_change
+
+        for lane in queryset:
+            lane_change(lane=lane, actor=request.user.get_username(), paused=True)
+        self.message_user(request, f"{queryset.count()} lane(s) paused")
+
+    @admin.action(description="Resume")
+    def resume(self, request, queryset):
+        from tasks.services.operations import lane_change
+
+        for lane in queryset:
+            lane_change(lane=lane, actor=request.user.get_username(), paused=False)
+        self.message_user(request, f"{queryset.count()} lane(s) resumed")
+
+
+@admin.register(VendorChannel, site=site)
+class VendorChannelAdmin(Configurable):
+    list_display = ("name", "base_url", "mode", "preference", "enabled", "max_inflight_jobs", "max_concurrent_uploads",
+                    "breaker")
+    change_form_template = "console/channel_change_form.html"
+
+    @admin.display(description="breaker")
+    def breaker(self, obj: VendorChannel):
+        from tasks.vendor.breaker import health_for
+
+        return health_for(obj).breaker_state
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        form = super().get_form(request, obj, change, **kwargs)
+        # Secrets are write-only: shown as a password box, never echoed back.
+        from django import forms
+
+        for name in ("api_key", "webhook_secret"):
+            if name in form.base_fields:
+                form.base_fields[name].widget = forms.PasswordInput(render_value=True)
+        return form
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        from tasks.models import BreakerTransition
+        from tasks.services.operations import BREAKER_CHOICES
+        from tasks.vendor.breaker import health_for
+
+        channel = VendorChannel.objects.filter(pk=object_id).first()
+        extra_context = {**(extra_context or {})}
+        if channel:
+            extra_context.update(
+                health=health_for(channel),
+                transitions=BreakerTransition.objects.filter(channel=channel)[:20],
+                breaker_choices=BREAKER_CHOICES,
+                can_force=request.user.has_perm("tasks.operate_channels"),
+            )
+        return super().change_view(request, object_id, form_url, extra_context)
+
+
+class TenantQuotaInline(admin.StackedInline):
+    model = TenantQuota
+    can_delete = False
+    extra = 0
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_add_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+
+class QuotaOverrideInline(admin.TabularInline):
+    model = QuotaOverride
+    extra = 0
+    fields = ("field", "value", "starts_at", "ends_at", "reason")
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_add_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+
+@admin.register(Tenant, site=site)
+class TenantAdmin(Configurable):
+    list_display = ("name", "created_at", "result_retention_days")
+    fields = ("name", "callback_url", "result_retention_days")
+    inlines = [TenantQuotaInline, QuotaOverrideInline]
+
+    def save_formset(self, request, form, formset, change):
+        for inline_form in formset.forms:
+            cleaned = getattr(inline_form, "cleaned_data", {}) or {}
+            if cleaned.get("starts_at") and cleaned.get("ends_at") and cleaned["ends_at"] <= cleaned["starts_at"]:
+                inline_form.add_error("ends_at", "An override must end after it starts.")
+        super().save_formset(request, form, formset, change)
+
+
+# --- records ----------------------------------------------------------------------------------------------
+@admin.register(AuditEntry, site=site)
+class AuditEntryAdmin(ReadOnly):
+    list_display = ("at", "actor", "action", "target_type", "target_id", "done", "skipped")
+    list_filter = ("action", "actor")
+    search_fields = ("actor", "action", "target_id")
+    readonly_fields = ("at", "actor", "action", "target_type", "target_id", "filter", "done", "skipped", "detail")
+
+
+@admin.register(DuplicateIncident, site=site)
+class DuplicateIncidentAdmin(ReadOnly):
+    list_display = ("created_at", "task", "channel", "client_ref", "kept_job_id", "duplicate_job_ids", "duplicate_amount_cents")
+    list_filter = ("channel",)
+
+
+@admin.register(BulkOperation, site=site)
+class BulkOperationAdmin(ReadOnly):
+    list_display = ("id", "action", "status", "total", "done", "skipped", "created_by", "created_at")
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        return HttpResponseRedirect(reverse("admin:bulk_progress", args=[object_id]))
+
+
+@admin.register(PocRun, site=site)
+class PocRunAdmin(ReadOnly):
+    list_display = ("id", "scenario", "status", "seed", "tasks", "started_by", "created_at")
+
+    def has_module_permission(self, request):
+        return request.user.has_perm("tasks.run_qa") or request.user.has_perm("console.view_pocrun")
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        return HttpResponseRedirect(reverse("admin:poc_detail", args=[object_id]))
+
+
+class SluiceUserAdmin(UserAdmin):
+    list_display = ("username", "role", "is_active", "last_login")
+
+    @admin.display(description="role")
+    def role(self, obj):
+        return role_of(obj) or ("tenant user" if hasattr(obj, "membership") else "—")
+
+    def has_module_permission(self, request):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_add_permission(self, request):
+        return request.user.has_perm(CONFIGURE)
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.has_perm(CONFIGURE)
+
+
+site.register(get_user_model(), SluiceUserAdmin)

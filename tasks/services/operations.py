@@ -1,0 +1,96 @@
+"""What operators do to tasks, lanes and channels. Every action goes through the lifecycle
+services (never an UPDATE of state) and says, when it does nothing, why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from django.utils import timezone
+
+from tasks.errors import SluiceError
+from tasks.lifecycle import task_update
+from tasks.models import ChannelHealth, DeadLetter, Lane, Task, VendorChannel
+from tasks.services.audit import audit
+from tasks.services.cancel import task_cancel
+from tasks.services.replay import replay_refusal, task_replay
+from tasks.states import TERMINAL_STATES, State
+from tasks.vendor import breaker
+
+
+@dataclass(frozen=True)
+class Outcome:
+    done: bool
+    reason: str = ""
+
+
+def retry_now(task: Task, actor: str) -> Outcome:
+    """Skip the wait: a task in RETRY_WAIT (or RECONCILING) goes at once."""
+    if task.state not in (State.RETRY_WAIT, State.RECONCILING):
+        return Outcome(False, f"not waiting to retry ({task.state})")
+    if task_update(task.pk, state=task.state, generation=task.generation, due_at=timezone.now(), enqueued_at=None):
+        return Outcome(True)
+    return Outcome(False, "it moved on meanwhile")
+
+
+def cancel(task: Task, actor: str) -> Outcome:
+    if task.state in TERMINAL_STATES:
+        return Outcome(False, f"already {task.state}")
+    try:
+        result = task_cancel(task_id=task.pk, actor=actor, reason=f"cancelled by {actor}")
+    except SluiceError as error:
+        return Outcome(False, error.detail)
+    return Outcome(result.changed, "" if result.changed else "a cancel was already requested")
+
+
+def replay(task: Task, actor: str) -> Outcome:
+    refusal = replay_refusal(task)
+    if refusal:
+        return Outcome(False, refusal)
+    return Outcome(True) if task_replay(task=task, actor=actor) else Outcome(False, "it moved on meanwhile")
+
+
+def discard_dead_letter(task: Task, actor: str) -> Outcome:
+    updated = DeadLetter.objects.filter(task=task, resolved_at__isnull=True).update(
+        resolved_at=timezone.now(), resolution="discarded", resolved_by=actor[:150]
+    )
+    return Outcome(bool(updated), "" if updated else "no open dead letter")
+
+
+TASK_ACTIONS: dict[str, tuple[str, Callable[[Task, str], Outcome], str]] = {
+    # name: (permission, function, label)
+    "retry_now": ("tasks.operate_tasks", retry_now, "Retry now"),
+    "cancel": ("tasks.operate_tasks", cancel, "Cancel"),
+    "replay": ("tasks.operate_tasks", replay, "Replay (same task, new generation)"),
+    "discard": ("tasks.manage_quarantine", discard_dead_letter, "Discard dead letter"),
+}
+
+
+def lane_change(*, lane: Lane, actor: str, **changes) -> Lane:
+    """Pause, resume or resize a lane while it runs."""
+    allowed = {"paused", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s", "overflow_policy",
+               "early_close_pct", "aging_s"}
+    unknown = set(changes) - allowed
+    if unknown:
+        raise ValueError(f"cannot change {unknown}")
+    before = {k: getattr(lane, k) for k in changes}
+    Lane.objects.filter(pk=lane.pk).update(**changes)
+    audit(actor=actor, action="lane_change", target_type="lane", target_id=lane.pk, done=1,
+          detail={"before": before, "after": changes})
+    lane.refresh_from_db()
+    if not lane.paused:
+        from tasks.scheduling.dispatch import dispatch_soon
+
+        dispatch_soon(lane.pk)
+    return lane
+
+
+def breaker_force(*, channel: VendorChannel, state: str, actor: str) -> bool:
+    before = breaker.health_for(channel).breaker_state
+    moved = breaker.force(channel, state, actor=actor)
+    audit(actor=actor, action="breaker_force", target_type="channel", target_id=channel.pk, done=int(moved),
+          detail={"from": before, "to": state})
+    return moved
+
+
+BREAKER_CHOICES = (ChannelHealth.Breaker.FORCED_OPEN, ChannelHealth.Breaker.CLOSED, ChannelHealth.Breaker.DISABLED)
