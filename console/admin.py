@@ -113,6 +113,7 @@ class CreatedRangeFilter(admin.ListFilter):
 class TaskAdmin(ReadOnly):
     list_display = ("short_id", "tenant", "state_badge", "lane", "kind", "priority", "channel", "attempts",
                     "error_code", "created_at")
+    list_display_links = None  # the id column is the link
     list_filter = ("state", "lane", "kind", "priority", ("tenant", admin.RelatedOnlyFieldListFilter), ErrorCodeFilter,
                    ("channel", admin.RelatedOnlyFieldListFilter), CreatedRangeFilter)
     search_fields = ("vendor_client_ref",)
@@ -181,8 +182,11 @@ class TaskAdmin(ReadOnly):
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
         jobs = list(VendorJob.objects.filter(task=task).order_by("created_at"))
         ledger = {e.job_id: e for e in LedgerEntry.objects.filter(job_id__in=[j.vendor_job_id for j in jobs])}
+        from tasks.services.operations import applicable
+
         actions = [
-            (name, label) for name, (permission, _, label) in TASK_ACTIONS.items() if request.user.has_perm(permission)
+            (name, label) for name, (permission, _, label) in TASK_ACTIONS.items()
+            if request.user.has_perm(permission) and applicable(name, task)
         ]
         context = {
             **self.admin_site.each_context(request),

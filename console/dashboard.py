@@ -186,17 +186,17 @@ def meter(value: float, limit: float | None, *, width: int = 160, label: str = "
     )
 
 
-def bars(pairs: list[tuple[str, int]], *, width: int = 320, row: int = 18) -> SafeString:
+def bars(pairs: list[tuple[str, int]], *, width: int = 380, row: int = 18) -> SafeString:
     """Labelled horizontal bars (tasks by state, by lane)."""
     top = max([v for _, v in pairs] + [1])
     height = row * len(pairs)
     parts = [f'<svg class="bars" role="img" aria-label="counts" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
     for index, (label, value) in enumerate(pairs):
         y = index * row
-        length = (width - 140) * value / top
+        length = (width - 190) * value / top
         parts.append(f'<text x="0" y="{y + 13}" font-size="11" fill="var(--body-fg, #333)">{escape(label)}</text>')
-        parts.append(f'<rect x="110" y="{y + 3}" width="{length:.1f}" height="{row - 6}" rx="2" fill="var(--primary, #417690)"/>')
-        parts.append(f'<text x="{114 + length:.1f}" y="{y + 13}" font-size="11" fill="var(--body-quiet-color, #666)">{value}</text>')
+        parts.append(f'<rect x="150" y="{y + 3}" width="{length:.1f}" height="{row - 6}" rx="2" fill="var(--primary, #417690)"/>')
+        parts.append(f'<text x="{154 + length:.1f}" y="{y + 13}" font-size="11" fill="var(--body-quiet-color, #666)">{value}</text>')
     parts.append("</svg>")
     return mark_safe("".join(parts))
 

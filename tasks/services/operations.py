@@ -66,6 +66,19 @@ TASK_ACTIONS: dict[str, tuple[str, Callable[[Task, str], Outcome], str]] = {
 }
 
 
+def applicable(action: str, task: Task) -> bool:
+    """Whether offering this action on this task makes sense (the action re-checks when run)."""
+    if action == "retry_now":
+        return task.state in (State.RETRY_WAIT, State.RECONCILING)
+    if action == "cancel":
+        return task.state not in TERMINAL_STATES
+    if action == "replay":
+        return task.state in (State.FAILED, State.EXPIRED)
+    if action == "discard":
+        return DeadLetter.objects.filter(task=task, resolved_at__isnull=True).exists()
+    return False
+
+
 def lane_change(*, lane: Lane, actor: str, **changes) -> Lane:
     """Pause, resume or resize a lane while it runs."""
     allowed = {"paused", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s", "overflow_policy",
