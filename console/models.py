@@ -68,3 +68,10 @@ class PocRun(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scenario} #{self.pk} ({self.status})"
+
+
+class BenchmarkRow(models.Model):
+    """Written by the benchmark's reference view: a bare Django view that inserts one row."""
+
+    payload = models.CharField(max_length=100)
+    created_at = models.DateTimeField(auto_now_add=True)

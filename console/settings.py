@@ -128,6 +128,7 @@ Q_CLUSTER = {
     "catch_up": False,
     "poll": 0.1,
     "label": "Queue (django-q2)",
+    "log_level": env("SLUICE_Q_LOG_LEVEL", "WARNING"),
     **_broker,
     "ALT_CLUSTERS": {
         lane: {
@@ -169,6 +170,7 @@ FAKEVENDOR_ADMIN_TOKEN = env("FAKEVENDOR_ADMIN_TOKEN", "dev-admin-token")
 # A deliberately unsafe experiment for QA: resend after an ambiguous failure without reconciling
 # (what naive clients do). The POC scenarios must then fail. Never set it in production.
 UNSAFE_SKIP_RECONCILIATION = env("SLUICE_UNSAFE_SKIP_RECONCILIATION", False)
+BENCH_VIEWS = env("SLUICE_BENCH_VIEWS", False)
 LOG_FILE = env("SLUICE_LOG_FILE", "")
 LOG_STDERR = env("SLUICE_LOG_STDERR", True)
 

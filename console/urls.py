@@ -2,6 +2,8 @@ from django.urls import include, path
 
 from console import views
 
+from django.conf import settings
+
 urlpatterns = [
     path("api/v1/", include("tasks.api.urls")),
     path("console/", include("console.site_urls")),
@@ -9,3 +11,8 @@ urlpatterns = [
     path("healthz", views.healthz, name="healthz"),
     path("", include("tasks.portal.urls")),
 ]
+
+if settings.BENCH_VIEWS:
+    from tasks.bench.reference import bare_view
+
+    urlpatterns.insert(0, path("bench/bare", bare_view, name="bench_bare"))

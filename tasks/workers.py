@@ -3,6 +3,7 @@ whether there is anything to do (a stale or duplicated message does nothing)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.db import close_old_connections
@@ -22,8 +23,10 @@ def run_step(step: str, task_id: str, generation: int) -> str:
         "cancel": execution.step_cancel,
     }
     close_old_connections()
+    started = time.monotonic()
     outcome = handlers[step](task_id, int(generation))
-    log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome)
+    log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
+              duration_ms=int((time.monotonic() - started) * 1000))
     if step != "precheck" and outcome not in ("stale", "busy", "lost_claim"):
         from tasks.models import Task
         from tasks.states import IN_FLIGHT_STATES

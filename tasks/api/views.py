@@ -150,8 +150,7 @@ def tasks(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     task = submitted.task
     status_url = request.build_absolute_uri(reverse("api:task", args=[task.pk]))
     response = JsonResponse(
-        {"id": str(task.pk), "state": Task.objects.values_list("state", flat=True).get(pk=task.pk),
-         "status_url": status_url, "created_at": _iso(task.created_at)},
+        {"id": str(task.pk), "state": task.state, "status_url": status_url, "created_at": _iso(task.created_at)},
         status=202,
     )
     response["Location"] = status_url

@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
+
+# Imported (and warmed: mutagen loads its format modules on first use) in the parent, so a forked
+# pre-check does not pay for the imports each time.
+import io
+
+import mutagen
+
+try:
+    mutagen.File(io.BytesIO(bytes(256)))
+except Exception:  # noqa: BLE001 - only the side effect (imports) matters
+    pass
 
 from tasks.filetypes import (
     ARCHIVE, AUDIO, DOCUMENT, EXECUTABLE, EXTENSION_FAMILY, MEDIA, OOXML, TEXT, UNKNOWN, sniff,
@@ -193,8 +205,6 @@ def inspect_pdf(path: Path, findings: dict[str, Any]) -> None:
 
 
 def inspect_audio(path: Path, findings: dict[str, Any]) -> None:
-    import mutagen
-
     try:
         audio = mutagen.File(path)
     except Exception:  # noqa: BLE001 - any parse failure of a declared audio file means corrupt
@@ -219,8 +229,6 @@ def inspect_audio(path: Path, findings: dict[str, Any]) -> None:
 
 
 def _wav_truncated(path: Path, size: int) -> bool:
-    import struct
-
     with open(path, "rb") as handle:
         head = handle.read(12)
         if head[:4] != b"RIFF" or head[8:12] != b"WAVE":

@@ -35,8 +35,14 @@ S = State
 B = ChannelHealth.Breaker
 ACTOR = "dispatcher"
 BATCH = 200
-# A sent message nobody picked up within this many nominal seconds is sent again.
+# A sent message nobody picked up within this many nominal seconds is sent again (never sooner
+# than the floor in real seconds: a busy queue is not a lost message).
 REDISPATCH_AFTER_S = 10.0
+REDISPATCH_FLOOR_S = 2.0
+
+
+def resend_cutoff(now: datetime) -> datetime:
+    return now - timedelta(seconds=max(timescale.seconds(REDISPATCH_AFTER_S), REDISPATCH_FLOOR_S))
 _LOCK_KEY = 0x51_1CE
 
 
@@ -273,6 +279,9 @@ def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | Non
 def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
     """Dispatch the lane's waiting tasks into free slots: fair share by tenant weight, with aging."""
     sent: list[tuple[Any, int, str]] = []
+    # Cheap look first: most passes have nothing to admit, and the lock is a write lock on SQLite.
+    if not Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).exists():
+        return sent
     with dispatch_lock():
         lane = Lane.objects.get(pk=lane.pk)
         if lane.paused:
@@ -352,7 +361,7 @@ def dispatch_soon(lane_name: str | None) -> None:
 
 def send_due_steps(now: datetime) -> int:
     """Send the next step of every task whose step is due and not held by a live lease."""
-    resend_before = now - timescale.delta(REDISPATCH_AFTER_S)
+    resend_before = resend_cutoff(now)
     steps = {S.ACCEPTED: "precheck", S.RUNNING: "poll", S.RECONCILING: "reconcile", S.CANCEL_REQUESTED: "cancel"}
     rows = (
         Task.objects.filter(state__in=list(steps), due_at__lte=now)
@@ -373,7 +382,7 @@ def send_due_steps(now: datetime) -> int:
 
 def resend_lost_starts(now: datetime) -> int:
     """A start message lost between dispatcher and worker (at-most-once Redis) is sent again."""
-    cutoff = now - timescale.delta(REDISPATCH_AFTER_S)
+    cutoff = resend_cutoff(now)
     rows = Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=False, enqueued_at__lt=cutoff).values(
         "pk", "generation", "lane_id"
     )[:BATCH]
@@ -397,7 +406,7 @@ def probe_open_breakers(now: datetime) -> int:
 
 
 def send_due_notifications(now: datetime) -> int:
-    resend_before = now - timescale.delta(REDISPATCH_AFTER_S)
+    resend_before = resend_cutoff(now)
     # A delivery whose worker died mid-send goes back to pending.
     Notification.objects.filter(status=Notification.Status.DELIVERING, lease_expires_at__lt=now).update(
         status=Notification.Status.PENDING, lease_expires_at=None
@@ -420,7 +429,7 @@ def clean_up_vendor_jobs(now: datetime) -> int:
         Q(task__state__in=TERMINAL_STATES) | Q(duplicate_of__isnull=False),
         terminal_at__isnull=True, cancel_requested_at__isnull=True, created_at__lt=grace,
     ).update(cancel_requested_at=now)
-    resend_before = now - timescale.delta(REDISPATCH_AFTER_S)
+    resend_before = resend_cutoff(now)
     due = VendorJob.objects.filter(terminal_at__isnull=True, cancel_requested_at__isnull=False).filter(
         Q(cleanup_sent_at__isnull=True) | Q(cleanup_sent_at__lt=resend_before)
     ).values_list("pk", flat=True)[:BATCH]

@@ -1,6 +1,8 @@
-"""Upload a file through the vendor client in a fresh process and print its peak RSS (MiB).
+"""Upload a file through the vendor client in a fresh process; print the answer, the peak RSS
+before and after (MiB) and the seconds the upload took.
 
-Run by tests with the test database in the environment: `python -m tests.support.upload_rss PATH CHANNEL MODE`.
+`python -m tasks.bench.upload_probe PATH CHANNEL two_step|inline` with the database in the
+environment (the benchmarks and the 1 GiB test run it).
 """
 
 import hashlib
@@ -35,6 +37,9 @@ def main() -> None:
             digest.update(chunk)
     before = peak_rss_mb()
     client = VendorClient(channel)
+    import time
+
+    started = time.monotonic()
     if mode == "two_step":
         receipt = client.upload(__import__("pathlib").Path(path), size=size, sha256=digest.hexdigest())
         answer = receipt.upload_id
@@ -42,8 +47,9 @@ def main() -> None:
         created = client.create_job(kind="transcription", target_format="txt", client_ref="rss-1", idempotency_key="rss-1",
                                     inline_path=__import__("pathlib").Path(path), size=size, sha256=digest.hexdigest())
         answer = created.job.id
+    elapsed = time.monotonic() - started
     peak = peak_rss_mb()
-    print(f"{answer} {before:.1f} {peak:.1f}")
+    print(f"{answer} {before:.1f} {peak:.1f} {elapsed:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,379 @@
+"""The benchmark suite (issue 10): every figure is measured next to its reference, in the same run,
+on the same machine, because these machines are shared and noisy; the ratios are what count.
+
+One setup (embedded SQLite + ORM broker, or PostgreSQL + Redis) runs in a child process whose
+database is a scratch copy (see tasks.scratch); this module is what that child runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+from django.conf import settings
+from django.db.models import Q
+
+from fakevendor.control import VendorControl
+from tasks.models import Lane, Task, TaskEvent, VendorChannel
+from tasks.poc import files
+from tasks.services.tenancy import tenant_ensure, token_issue
+from tasks.states import TERMINAL_STATES, State
+from tasks.system import Stack, database_env
+
+TARGETS = {
+    "intake_ratio": 0.6,
+    "pipeline_vs_q2": 0.5,
+    "pipeline_vs_vendor_loop": 0.5,
+    "upload_ratio": 0.8,
+    "peak_rss_mb": 100,
+    "polls_per_task_minute": 2,
+    "interactive_p95_wait_s_under_flood": 1.0,
+}
+PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
+WORKERS = 4
+
+
+class Bench:
+    def __init__(self, workdir: Path, *, quick: bool, log: Callable[[str], None]) -> None:
+        self.workdir = workdir
+        self.quick = quick
+        self.log = log
+        self.stack = Stack(log_dir=workdir / "logs", env={
+            "SLUICE_TIME_SCALE": str(PIPELINE_SCALE), "SLUICE_DISPATCH_TICK_S": "0.02", "SLUICE_BENCH_VIEWS": "1",
+            "SLUICE_LANE_WORKERS": f"interactive={WORKERS // 2},batch={WORKERS // 2},heavy=1,unknown-risk=1",
+            "SLUICE_LOG_LEVEL": "WARNING",
+        })
+        self.figures: dict[str, Any] = {}
+
+    # --- setup ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.vendor_url = self.stack.start_vendor(time_scale=PIPELINE_SCALE, channels={"primary": {"processing_ms": 0, "queue_ms": 0}})
+        self.control = VendorControl(self.vendor_url, settings.FAKEVENDOR_ADMIN_TOKEN)
+        VendorChannel.objects.filter(name="primary").update(
+            base_url=f"{self.vendor_url}/primary", max_inflight_jobs=500, max_concurrent_uploads=50,
+            reserved_for_interactive=2, audit_after_create=True)
+        VendorChannel.objects.filter(name="fallback").update(enabled=False)
+        Lane.objects.update(max_running=500, max_queued=100_000)
+        self.token = token_issue(tenant=tenant_ensure(name="bench")).token
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.web_url = self.stack.start_web(workers=2, threads=8)
+
+    def start_workers(self) -> None:
+        self.stack.start_dispatcher()
+        self.stack.start_cluster(None, workers=WORKERS // 2)
+        for lane in ("interactive", "batch"):
+            self.stack.start_cluster(lane, workers=WORKERS // 2)
+
+    def stop_workers(self) -> None:
+        for name in [n for n in self.stack.processes if n.startswith(("cluster", "dispatcher"))]:
+            self.stack.stop(name)
+
+    def stop(self) -> None:
+        self.stack.stop_all()
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def _upload(self, client: httpx.Client, content: bytes) -> str:
+        answer = client.post(f"{self.web_url}/api/v1/files", content=content,
+                             headers={**self.headers, "Content-Type": "application/octet-stream"})
+        answer.raise_for_status()
+        return answer.json()["id"]
+
+    def _submit(self, client: httpx.Client, file_id: str, *, priority: str = "interactive") -> str:
+        body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": priority}
+        answer = client.post(f"{self.web_url}/api/v1/tasks", json=body,
+                             headers={**self.headers, "Idempotency-Key": uuid.uuid4().hex})
+        answer.raise_for_status()
+        return answer.json()["id"]
+
+    def _concurrently(self, count: int, threads: int, work: Callable[[httpx.Client, int], Any]) -> list[Any]:
+        results: list[Any] = [None] * count
+        lock = threading.Lock()
+        next_index = [0]
+
+        def run() -> None:
+            with httpx.Client(timeout=120, trust_env=False) as client:
+                while True:
+                    with lock:
+                        index = next_index[0]
+                        next_index[0] += 1
+                    if index >= count:
+                        return
+                    results[index] = work(client, index)
+
+        pool = [threading.Thread(target=run) for _ in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        return results
+
+    def _rate(self, seconds: float, threads: int, call: Callable[[httpx.Client], None]) -> float:
+        """Calls per second by `threads` clients for `seconds`."""
+        done = [0]
+        lock = threading.Lock()
+        stop_at = time.monotonic() + seconds
+
+        def run() -> None:
+            with httpx.Client(timeout=60, trust_env=False) as client:
+                while time.monotonic() < stop_at:
+                    call(client)
+                    with lock:
+                        done[0] += 1
+
+        started = time.monotonic()
+        pool = [threading.Thread(target=run) for _ in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        return done[0] / (time.monotonic() - started)
+
+    # --- figures -------------------------------------------------------------------------------
+    def pipeline(self) -> None:
+        count = 40 if self.quick else 150
+        self.log(f"pipeline: {count} tasks end to end")
+        contents = [files.with_marker(files.wav(1), f"bench-{i}-{uuid.uuid4().hex}".encode()) for i in range(count)]
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            file_ids = [self._upload(client, c) for c in contents]
+        started = time.monotonic()
+        ids = self._concurrently(count, 8, lambda client, i: self._submit(client, file_ids[i]))
+        deadline = started + 300
+        while time.monotonic() < deadline:
+            done = Task.objects.filter(pk__in=ids, state__in=TERMINAL_STATES).count()
+            if done == count:
+                break
+            time.sleep(0.05)
+        elapsed = time.monotonic() - started
+        succeeded = Task.objects.filter(pk__in=ids, state=State.SUCCEEDED).count()
+        self.figures["pipeline_tps"] = round(succeeded / elapsed, 2)
+        self.figures["pipeline_tasks"] = count
+
+    def raw_q2(self) -> None:
+        from django_q.brokers import get_broker
+        from django_q.tasks import async_task
+
+        from tasks.queueing import control_cluster
+
+        count = 500 if self.quick else 2000
+        self.log(f"raw django-q2: {count} no-op tasks, {WORKERS} workers")
+        broker = get_broker(control_cluster())
+        broker.purge_queue()
+        for index in range(count):
+            async_task("tasks.bench.reference.noop", index, cluster=control_cluster(), broker=broker)
+        self.stack.start_cluster(None, workers=WORKERS)
+        while broker.queue_size() == count:  # wait for the first pull
+            time.sleep(0.005)
+        started = time.monotonic()
+        while broker.queue_size() or (hasattr(broker, "lock_size") and broker.lock_size()):
+            time.sleep(0.01)
+        self.figures["raw_q2_tps"] = round(count / (time.monotonic() - started), 2)
+        self.stack.stop("cluster-control")
+
+    def vendor_loop(self) -> None:
+        count = 40 if self.quick else 150
+        self.log(f"bare vendor loop: {count} tasks, {WORKERS} threads")
+        base = f"{self.vendor_url}/primary"
+        key = {"Authorization": f"Bearer {settings.VENDOR_API_KEY}"}
+        contents = [files.with_marker(files.wav(1), f"loop-{i}-{uuid.uuid4().hex}".encode()) for i in range(count)]
+
+        def one(client: httpx.Client, index: int) -> None:
+            import hashlib
+
+            data = contents[index]
+            upload = client.post(f"{base}/v1/uploads", content=data, headers={
+                **key, "Content-Type": "application/octet-stream", "X-Content-SHA256": hashlib.sha256(data).hexdigest()}).json()
+            ref = f"loop-{uuid.uuid4().hex}"
+            job = client.post(f"{base}/v1/jobs", headers={**key, "Idempotency-Key": ref}, json={
+                "upload_id": upload["upload_id"], "kind": "transcription", "target_format": "txt", "client_ref": ref}).json()
+            client.get(f"{base}/v1/jobs", params={"client_ref": ref}, headers=key)
+            while client.get(f"{base}/v1/jobs/{job['id']}", headers=key).json()["status"] != "completed":
+                time.sleep(0.03)
+            client.get(f"{base}/v1/jobs/{job['id']}/result", headers=key).raise_for_status()
+            client.get(f"{base}/v1/jobs", params={"client_ref": ref}, headers=key)
+
+        started = time.monotonic()
+        self._concurrently(count, WORKERS, one)
+        self.figures["bare_vendor_loop_tps"] = round(count / (time.monotonic() - started), 2)
+
+    def uploads(self) -> None:
+        size = (256 if self.quick else 1024) * 1024 * 1024
+        self.log(f"uploads: {size // 2**20} MiB through Sluice and through curl")
+        big = self.workdir / "big.bin"
+        with open(big, "wb") as handle:
+            handle.truncate(size)
+        curl = shutil.which("curl")
+        env = {**os.environ, **database_env()}
+        probe = subprocess.run([sys.executable, "-m", "tasks.bench.upload_probe", str(big), "primary", "two_step"],
+                               cwd=settings.BASE_DIR, env=env, capture_output=True, text=True, timeout=900)
+        _, _, peak, seconds = probe.stdout.split()[-4:]
+        self.figures["upload_mb_s"] = round(size / 2**20 / float(seconds), 1)
+        self.figures["worker_peak_rss_mb"] = round(float(peak), 1)
+        if curl:
+            speed = subprocess.run(
+                [curl, "-s", "-o", "/dev/null", "-w", "%{speed_upload}", "-X", "POST", "-T", str(big), "-H", "Expect:",
+                 "-H", f"Authorization: Bearer {settings.VENDOR_API_KEY}", "-H", "Content-Type: application/octet-stream",
+                 f"{self.vendor_url}/primary/v1/uploads"], capture_output=True, text=True, timeout=900).stdout
+            self.figures["curl_upload_mb_s"] = round(float(speed) / 2**20, 1)
+            before = self._web_peak_rss()
+            intake = subprocess.run(
+                [curl, "-s", "-o", "/dev/null", "-w", "%{speed_upload} %{http_code}", "-X", "POST", "-T", str(big), "-H", "Expect:",
+                 "-H", f"Authorization: Bearer {self.token}", "-H", "Content-Type: application/octet-stream",
+                 "-H", "X-Filename: big.bin", f"{self.web_url}/api/v1/files"], capture_output=True, text=True, timeout=900).stdout
+            speed, status = intake.split()
+            self.figures["intake_upload_mb_s"] = round(float(speed) / 2**20, 1) if status == "201" else 0.0
+            self.figures["web_peak_rss_mb"] = round(max(self._web_peak_rss(), before), 1)
+        else:
+            self.figures["curl_upload_mb_s"] = None
+        big.unlink(missing_ok=True)
+        self.control.reset(faults=True, state=True, journal=True)
+
+    def _web_peak_rss(self) -> float:
+        """The largest VmHWM among the web server's processes (gunicorn's workers)."""
+        root = self.stack.processes["web"].process.pid
+        peaks = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                text = status.read_text()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+            if fields.get("PPid", "").strip() == str(root) or status.parent.name == str(root):
+                peaks.append(int(fields.get("VmHWM", "0 kB").split()[0]) / 1024)
+        return max(peaks or [0.0])
+
+    def polls(self) -> None:
+        """30 concurrent long jobs (5 nominal minutes each): status requests per task-minute."""
+        count = 30
+        self.log("polling: 30 concurrent 5-minute jobs")
+        self.control.channel("primary", processing_ms=300_000)
+        self.control.reset(faults=True, state=True, journal=True)
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            ids = [self._submit(client, self._upload(client, files.with_marker(files.wav(1), uuid.uuid4().bytes)), priority="batch")
+                   for _ in range(count)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and Task.objects.filter(pk__in=ids, state=State.SUCCEEDED).count() < count:
+            time.sleep(0.2)
+        journal = self.control.journal()
+        polls = [e for e in journal if e["endpoint"] == "GET /v1/jobs/*"]
+        jobs = {e["job_id"] for e in journal if e["endpoint"] == "POST /v1/jobs" and e["job_id"]}
+        task_minutes = len(jobs) * 300_000 / 60_000
+        self.figures["polls_per_task_minute"] = round(len(polls) / task_minutes, 2) if task_minutes else None
+        self.control.channel("primary", processing_ms=0)
+
+    def isolation(self) -> None:
+        """Interactive p95 queue wait while a batch flood is queued (real seconds)."""
+        from tasks.services.intake import SubmitRequest, task_submit
+        from tasks.models import Tenant
+
+        flood = 1000 if self.quick else 5000
+        self.log(f"isolation: interactive waits under a {flood}-task batch flood")
+        tenant = Tenant.objects.get(name="bench")
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            shared = self._upload(client, files.wav(1))
+        for _ in range(flood):
+            task_submit(tenant=tenant, request=SubmitRequest(file_id=shared, kind="transcription", target_format="txt",
+                                                             priority="batch"), idempotency_key=None, actor="bench flood")
+        interactive = []
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            for _ in range(10 if self.quick else 20):
+                interactive.append(self._submit(client, self._upload(client, files.with_marker(files.wav(1), uuid.uuid4().bytes))))
+                time.sleep(0.3)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and Task.objects.filter(pk__in=interactive, state__in=TERMINAL_STATES).count() < len(interactive):
+            time.sleep(0.2)
+        waits = []
+        for task_id in interactive:
+            events = list(TaskEvent.objects.filter(task_id=task_id).order_by("at").values_list("to_state", "at"))
+            queued = next((at for s, at in events if s == State.QUEUED), None)
+            running = next((at for s, at in events if s == State.RUNNING), None)
+            if queued and running:
+                waits.append((running - queued).total_seconds())
+        waits.sort()
+        self.figures["interactive_p95_wait_s_under_flood"] = round(waits[int(0.95 * (len(waits) - 1))], 3) if waits else None
+        self.figures["flood_tasks"] = flood
+
+    def intake(self) -> None:
+        seconds = 4 if self.quick else 10
+        self.log(f"intake: {seconds} s of submissions vs a bare view, 8 clients")
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            file_id = self._upload(client, files.wav(1))
+        body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "batch"}
+
+        def submit(client: httpx.Client) -> None:
+            client.post(f"{self.web_url}/api/v1/tasks", json=body,
+                        headers={**self.headers, "Idempotency-Key": uuid.uuid4().hex}).raise_for_status()
+
+        def bare(client: httpx.Client) -> None:
+            client.post(f"{self.web_url}/bench/bare", json=body, headers={"Idempotency-Key": uuid.uuid4().hex}).raise_for_status()
+
+        # Alternate the two, so drift in the machine's load hits both alike.
+        rates: dict[str, list[float]] = {"bare": [], "intake": []}
+        for _ in range(2):
+            rates["bare"].append(self._rate(seconds / 2, 8, bare))
+            rates["intake"].append(self._rate(seconds / 2, 8, submit))
+        self.figures["bare_view_rps"] = round(statistics.mean(rates["bare"]), 1)
+        self.figures["intake_rps"] = round(statistics.mean(rates["intake"]), 1)
+
+    def run(self) -> dict[str, Any]:
+        self.start()
+        try:
+            self.uploads()
+            self.raw_q2()
+            self.start_workers()
+            self.vendor_loop()
+            self.pipeline()
+            self.polls()
+            self.isolation()
+            self.stop_workers()
+            self.intake()
+        finally:
+            self.stop()
+        return ratios(self.figures)
+
+
+def ratios(f: dict[str, Any]) -> dict[str, Any]:
+    def ratio(a: str, b: str) -> float | None:
+        return round(f[a] / f[b], 3) if f.get(a) and f.get(b) else None
+
+    f["intake_ratio"] = ratio("intake_rps", "bare_view_rps")
+    f["pipeline_vs_q2"] = ratio("pipeline_tps", "raw_q2_tps")
+    f["pipeline_vs_vendor_loop"] = ratio("pipeline_tps", "bare_vendor_loop_tps")
+    f["upload_ratio"] = ratio("upload_mb_s", "curl_upload_mb_s")
+    f["intake_upload_ratio"] = ratio("intake_upload_mb_s", "curl_upload_mb_s")
+    return f
+
+
+def verdicts(figures: dict[str, Any]) -> dict[str, bool | None]:
+    def at_least(key: str, target: float) -> bool | None:
+        return None if figures.get(key) is None else figures[key] >= target
+
+    def at_most(key: str, target: float) -> bool | None:
+        return None if figures.get(key) is None else figures[key] <= target
+
+    peak = max(figures.get("web_peak_rss_mb") or 0, figures.get("worker_peak_rss_mb") or 0)
+    return {
+        "intake_ratio": at_least("intake_ratio", TARGETS["intake_ratio"]),
+        "pipeline_vs_q2": at_least("pipeline_vs_q2", TARGETS["pipeline_vs_q2"]),
+        "pipeline_vs_vendor_loop": at_least("pipeline_vs_vendor_loop", TARGETS["pipeline_vs_vendor_loop"]),
+        "upload_ratio": at_least("upload_ratio", TARGETS["upload_ratio"]),
+        "peak_rss_mb": peak <= TARGETS["peak_rss_mb"] if peak else None,
+        "polls_per_task_minute": at_most("polls_per_task_minute", TARGETS["polls_per_task_minute"]),
+        "interactive_p95_wait_s_under_flood": at_most("interactive_p95_wait_s_under_flood",
+                                                      TARGETS["interactive_p95_wait_s_under_flood"]),
+    }
+
+
+def run_child(workdir: Path, *, quick: bool, out: Path) -> None:
+    bench = Bench(workdir, quick=quick, log=lambda line: print(f"  · {line}", file=sys.stderr, flush=True))
+    figures = bench.run()
+    out.write_text(json.dumps(figures))
