@@ -166,6 +166,9 @@ VENDOR_API_KEY = env("SLUICE_VENDOR_API_KEY", "dev-vendor-key")
 VENDOR_WEBHOOK_SECRET = env("SLUICE_VENDOR_WEBHOOK_SECRET", "dev-webhook-secret")
 FAKEVENDOR_URL = env("FAKEVENDOR_URL", "http://127.0.0.1:9100")
 POC_LIVE_URL = env("SLUICE_LIVE_URL", "http://127.0.0.1:8000")
+# Where vendors can reach this installation; when set, jobs ask the vendor for signed callbacks
+# (they shorten the wait for the next poll; polling stays the source of truth).
+PUBLIC_URL = env("SLUICE_PUBLIC_URL", "")
 FAKEVENDOR_ADMIN_TOKEN = env("FAKEVENDOR_ADMIN_TOKEN", "dev-admin-token")
 # A deliberately unsafe experiment for QA: resend after an ambiguous failure without reconciling
 # (what naive clients do). The POC scenarios must then fail. Never set it in production.

@@ -39,7 +39,10 @@ def send_step(step: str, task_id: Any, generation: int, *, lane: str | None = No
 def send_step_on_commit(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> None:
     """Send once the surrounding transaction commits. With the ORM broker the message row is
     written in that same transaction instead (an outbox for free: both commit or neither does)."""
-    if "orm" in settings.Q_CLUSTER and transaction.get_connection().in_atomic_block:
+    from django_q.conf import Conf
+
+    # (In django-q2's sync mode the step would run right here, inside the transaction: defer it.)
+    if "orm" in settings.Q_CLUSTER and not Conf.SYNC and transaction.get_connection().in_atomic_block:
         send_step(step, task_id, generation, lane=lane)
         return
     transaction.on_commit(lambda: send_step(step, task_id, generation, lane=lane))

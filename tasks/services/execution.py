@@ -165,12 +165,13 @@ def submit(task: Task, lease: Lease) -> None:
             created = client.create_job(
                 kind=task.kind, target_format=task.target_format, client_ref=task.vendor_client_ref,
                 idempotency_key=task.vendor_idempotency_key, options=task.params, upload_id=task.upload_id,
+                callback_url=vendor_callback_url(channel),
             )
         else:
             created = client.create_job(
                 kind=task.kind, target_format=task.target_format, client_ref=task.vendor_client_ref,
                 idempotency_key=task.vendor_idempotency_key, options=task.params, inline_path=file.path,
-                size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat,
+                size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel),
             )
     except StopUpload:
         slots_release(task.pk, UPLOAD, reason="upload stopped")
@@ -191,6 +192,13 @@ def submit(task: Task, lease: Lease) -> None:
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
         audit_duplicates(task, channel, client, keep_job_id=created.job.id)
+
+
+def vendor_callback_url(channel: VendorChannel) -> str | None:
+    """Signed vendor callbacks, when this installation is reachable and the channel has a secret."""
+    if not settings.PUBLIC_URL or not channel.webhook_secret:
+        return None
+    return f"{settings.PUBLIC_URL.rstrip('/')}/api/v1/vendor-callbacks/{channel.name}"
 
 
 def upload_drain_s(channel: VendorChannel) -> float:

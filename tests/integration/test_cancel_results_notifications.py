@@ -210,3 +210,26 @@ def test_spent_retries_land_in_dead_letters_by_reference_and_replay_keeps_the_ta
     replayed = run_until(task.pk)
     assert replayed.state == "SUCCEEDED" and replayed.pk == task.pk and replayed.generation > task.generation
     assert DeadLetter.objects.get(task=task).resolution == "replayed"
+
+
+# --- vendor callbacks --------------------------------------------------------------------------------------
+def test_signed_vendor_callbacks_bring_the_next_poll_forward_and_are_deduplicated(inline_queue, api, live_server, settings):
+    from tasks.models import InboundVendorEvent
+
+    settings.PUBLIC_URL = live_server.url
+    primary_only()
+    inline_queue.control.channel("primary", processing_ms=2000)
+    task_id = submit_file(api)
+    run_until(task_id, states=("RUNNING",))
+    wait_for(lambda: InboundVendorEvent.objects.exists(), timeout=20, message="the vendor's signed callback")
+    task = run_until(task_id)
+    assert task.state == "SUCCEEDED"
+    event = InboundVendorEvent.objects.get()
+    body = json.dumps({"event": "job.completed", "event_id": event.event_id, "job": {"id": event.job_id}}).encode()
+    signature = "sha256=" + hmac.new(b"dev-webhook-secret", body, hashlib.sha256).hexdigest()
+    again = api.post("/api/v1/vendor-callbacks/primary", data=body, content_type="application/json",
+                     HTTP_X_VENDOR_SIGNATURE=signature)
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    forged = api.post("/api/v1/vendor-callbacks/primary", data=body, content_type="application/json",
+                      HTTP_X_VENDOR_SIGNATURE="sha256=00")
+    assert forged.status_code == 401

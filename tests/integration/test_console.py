@@ -130,3 +130,56 @@ def test_preview_explains_what_will_be_skipped(as_role, api):
     assert client.get(reverse("admin:bulk_preview", args=["replay"])).status_code == 302  # no filter: choose first
     page = client.get(reverse("admin:bulk_preview", args=["replay"]) + "?q=").content.decode()
     assert "it is ACCEPTED, not FAILED or EXPIRED" in page and 'data-field="count">2<' in page
+
+
+def test_qa_sets_a_fault_rule_from_the_console_and_sees_its_effect_in_the_journal(as_role, vendor, settings):
+    import httpx
+
+    settings.FAKEVENDOR_URL = vendor.url
+    client = as_role("qa")
+    rule = '{"id": "console-rule", "endpoint": "GET /v1/usage", "type": "http_error", "params": {"status": 502}}'
+    client.post(reverse("admin:fakevendor"), {"op": "add", "rule": rule})
+    assert [r["id"] for r in vendor.control.rules()] == ["console-rule"]
+    httpx.get(f"{vendor.url}/primary/v1/usage", headers={"Authorization": "Bearer dev-vendor-key"})
+    page = client.get(reverse("admin:fakevendor")).content.decode()
+    assert "console-rule" in page and "502" in page
+    refused = client.post(reverse("admin:fakevendor"), {"op": "add", "rule": '{"endpoint": "GET /v1/usage", "type": "nope"}'},
+                          follow=True).content.decode()
+    assert "field: type" in refused
+    viewer = as_role("viewer")
+    assert viewer.post(reverse("admin:fakevendor"), {"op": "clear"}).status_code == 403
+
+
+def test_only_the_admin_role_opens_quarantined_content_and_it_is_audited(as_role, vendor, api):
+    from tasks.models import Quarantine
+    from tasks.poc import files
+
+    route(submit_file(api, files.truncated_pdf(), name="secret-contract.pdf", kind="conversion", target="txt"))
+    entry = Quarantine.objects.get()
+    url = reverse("admin:quarantine_download", args=[entry.pk])
+    assert as_role("operator").get(url).status_code == 403
+    answer = as_role("admin").get(url)
+    assert answer.status_code == 200 and answer["Content-Type"] == "application/octet-stream"
+    assert "secret-contract" not in answer["Content-Disposition"] and answer["X-Content-Type-Options"] == "nosniff"
+    assert AuditEntry.objects.filter(action="quarantine_open_file", actor="admin-user").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_qa_runs_a_scenario_from_the_console_and_downloads_its_report(as_role, monkeypatch):
+    from django_q.conf import Conf
+
+    from console.models import PocRun
+
+    monkeypatch.setattr(Conf, "SYNC", True)  # the background job runs here; it starts its own system
+    client = as_role("qa")
+    answer = client.post(reverse("admin:poc_list"), {"scenario": "corrupt-file", "seed": "3", "tasks": "6"})
+    run = PocRun.objects.get()
+    assert answer.status_code == 302 and answer["Location"] == reverse("admin:poc_detail", args=[run.pk])
+    run.refresh_from_db()
+    assert run.status == "passed", run.report
+    page = client.get(reverse("admin:poc_detail", args=[run.pk])).content.decode()
+    assert "quarantined_with_right_reason" in page
+    report = client.get(reverse("admin:poc_detail", args=[run.pk]) + "?format=json").json()
+    assert report["scenario"] == "corrupt-file" and report["passed"] is True
+    assert AuditEntry.objects.filter(action="poc_run", actor="qa-user").exists()

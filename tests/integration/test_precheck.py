@@ -109,3 +109,20 @@ def test_release_replays_the_task_in_the_unknown_risk_lane_and_purge_removes_the
     from tasks.models import AuditEntry
 
     assert set(AuditEntry.objects.values_list("action", flat=True)) >= {"quarantine_release", "quarantine_purge"}
+
+
+def test_a_pre_check_left_behind_by_a_dead_worker_is_killed_and_its_temp_dir_removed(tmp_path, settings, db):
+    import json
+    import subprocess
+    import time
+
+    from tasks.precheck.sandbox import _registry, kill_orphans
+
+    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    dead_parent = subprocess.Popen(["true"])
+    dead_parent.wait()
+    scratch = tmp_path / "precheck-left-behind"
+    scratch.mkdir()
+    (_registry() / str(orphan.pid)).write_text(json.dumps({"parent": dead_parent.pid, "tmp": str(scratch)}))
+    assert kill_orphans() == 1
+    assert orphan.wait(timeout=5) < 0 and not scratch.exists()
