@@ -18,8 +18,20 @@ from console.admin_site import site
 from console.models import BulkOperation, PocRun
 from console.roles import role_of
 from tasks.models import (
-    AuditEntry, DeadLetter, DuplicateIncident, Lane, LedgerEntry, Notification, Quarantine, QuotaOverride, Task,
-    Tenant, TenantQuota, VendorCall, VendorChannel, VendorJob,
+    AuditEntry,
+    DeadLetter,
+    DuplicateIncident,
+    Lane,
+    LedgerEntry,
+    Notification,
+    Quarantine,
+    QuotaOverride,
+    Task,
+    Tenant,
+    TenantQuota,
+    VendorCall,
+    VendorChannel,
+    VendorJob,
 )
 from tasks.scheduling.dispatch import waiting_reason
 from tasks.services.operations import TASK_ACTIONS
@@ -97,7 +109,7 @@ class CreatedRangeFilter(admin.ListFilter):
 
     def queryset(self, request, queryset):
         from django.utils.dateparse import parse_datetime
-        from django.utils.timezone import make_aware, is_naive
+        from django.utils.timezone import is_naive, make_aware
 
         for name, lookup in (("created_from", "created_at__gte"), ("created_to", "created_at__lte")):
             value = parse_datetime(self.values.get(name, "") or "")

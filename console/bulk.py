@@ -13,7 +13,7 @@ from django.http import HttpRequest, QueryDict
 from django.utils import timezone
 
 from console.models import BulkOperation
-from tasks.models import DeadLetter, LedgerEntry, Quarantine, Task
+from tasks.models import LedgerEntry, Quarantine, Task
 from tasks.queueing import send
 from tasks.services.audit import audit
 from tasks.services.operations import TASK_ACTIONS

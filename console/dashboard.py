@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from html import escape
@@ -13,7 +12,16 @@ from django.db.models import Count, Min, Q, Sum
 from django.utils import timezone
 from django.utils.safestring import SafeString, mark_safe
 
-from tasks.models import ChannelHealth, Lane, Task, TaskEvent, Tenant, VendorCall, VendorChannel, VendorJob
+from tasks.models import (
+    ChannelHealth,
+    Lane,
+    Task,
+    TaskEvent,
+    Tenant,
+    VendorCall,
+    VendorChannel,
+    VendorJob,
+)
 from tasks.scheduling.budgets import channel_usage
 from tasks.scheduling.quotas import WAITING_STATES, quota_effective, tenant_running
 from tasks.states import IN_FLIGHT_STATES, State

@@ -1,8 +1,7 @@
+from django.conf import settings
 from django.urls import include, path
 
 from console import views
-
-from django.conf import settings
 
 urlpatterns = [
     path("api/v1/", include("tasks.api.urls")),

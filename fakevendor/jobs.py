@@ -8,7 +8,7 @@ import json
 import math
 import re
 import struct
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ TARGETS = {"transcription": ("txt", "json", "srt", "vtt"), "conversion": ("pdf",
 def rfc3339(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat().replace("+00:00", "Z")
 
 
 def job_status(job: dict[str, Any], now: float) -> str:
@@ -180,14 +180,18 @@ def minimal_pdf(lines: list[str]) -> bytes:
     """A valid one-page PDF showing `lines` (with a correct cross-reference table)."""
     text = " ".join(f"({line.replace('(', '').replace(')', '')}) Tj T*" for line in lines)
     stream = f"BT /F1 11 Tf 14 TL 50 760 Td {text} ET".encode()
-    objects = [
+    return write_pdf([
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
         b" /Resources << /Font << /F1 5 0 R >> >> >>",
         b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
+    ])
+
+
+def write_pdf(objects: list[bytes]) -> bytes:
+    """A PDF file of these numbered objects (1 is the catalog), with a correct cross-reference table."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for number, body in enumerate(objects, 1):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from django.conf import settings
 

@@ -6,8 +6,9 @@ import functools
 import hashlib
 import hmac
 import json
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from django.conf import settings
 from django.core import signing

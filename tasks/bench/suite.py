@@ -16,12 +16,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 from django.conf import settings
-from django.db.models import Q
 
 from fakevendor.control import VendorControl
 from tasks.models import Lane, Task, TaskEvent, VendorChannel
@@ -272,8 +272,8 @@ class Bench:
 
     def isolation(self) -> None:
         """Interactive p95 queue wait while a batch flood is queued (real seconds)."""
-        from tasks.services.intake import SubmitRequest, task_submit
         from tasks.models import Tenant
+        from tasks.services.intake import SubmitRequest, task_submit
 
         flood = 1000 if self.quick else 5000
         self.log(f"isolation: interactive waits under a {flood}-task batch flood")

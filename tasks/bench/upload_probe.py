@@ -14,8 +14,8 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 django.setup()
 
-from tasks.models import VendorChannel  # noqa: E402
-from tasks.vendor.client import VendorClient  # noqa: E402
+from tasks.models import VendorChannel
+from tasks.vendor.client import VendorClient
 
 
 def peak_rss_mb() -> float:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from django.conf import settings
 from django_q.brokers import get_broker

@@ -11,7 +11,7 @@ from typing import Any
 from tasks.models import BreakerTransition, Quarantine, VendorCall
 from tasks.poc.evidence import Evidence
 from tasks.poc.model import Result
-from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
+from tasks.states import TERMINAL_STATES, State
 from tasks.storage import result_file
 
 

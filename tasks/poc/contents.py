@@ -3,7 +3,7 @@ marker where the format allows it, so the secrets check can look for file conten
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tasks.poc import files
 from tasks.precheck import hostile

@@ -12,7 +12,15 @@ from typing import Any
 from django.conf import settings
 
 from tasks.models import (
-    Attempt, BudgetSlot, DeadLetter, DuplicateIncident, Notification, Quarantine, Task, TaskEvent, VendorChannel,
+    Attempt,
+    BudgetSlot,
+    DeadLetter,
+    DuplicateIncident,
+    Notification,
+    Quarantine,
+    Task,
+    TaskEvent,
+    VendorChannel,
     VendorJob,
 )
 from tasks.poc.context import RunContext

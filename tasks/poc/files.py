@@ -22,26 +22,15 @@ def wav(seconds: float = 2.0, rate: int = 8000, marker: bytes = b"") -> bytes:
 
 
 def pdf(pages: int = 2, text: str = "hello") -> bytes:
-    from fakevendor.jobs import minimal_pdf
+    """A valid PDF: one page with text, or `pages` real /Type /Page objects."""
+    from fakevendor.jobs import minimal_pdf, write_pdf
 
-    one = minimal_pdf([text])
     if pages == 1:
-        return one
-    # Several page objects, each a real /Type /Page entry, with a valid trailer.
+        return minimal_pdf([text])
     kids = " ".join(f"{3 + i} 0 R" for i in range(pages))
     objects = [b"<< /Type /Catalog /Pages 2 0 R >>", f"<< /Type /Pages /Kids [{kids}] /Count {pages} >>".encode()]
     objects += [b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>" for _ in range(pages)]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    for offset in offsets:
-        out += b"%010d 00000 n \n" % offset
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
+    return write_pdf(objects)
 
 
 def truncated_pdf() -> bytes:
@@ -113,7 +102,6 @@ def flac(seconds: float = 2.0, rate: int = 8000) -> bytes:
 def ogg_vorbis(seconds: float = 2.0, rate: int = 8000) -> bytes:
     """An Ogg Vorbis identification header page plus a last page carrying the granule position."""
     import struct
-    import zlib
 
     def page(granule: int, sequence: int, payload: bytes, header_type: int) -> bytes:
         segments = [255] * (len(payload) // 255) + [len(payload) % 255]

@@ -15,8 +15,9 @@ scenario's own invariants on top of the ones every scenario checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 mode = self.path.strip("/").split("/")[0]
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 status = receiver.handle(mode, body, self.headers.get("X-Sluice-Signature", ""))

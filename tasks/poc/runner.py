@@ -240,7 +240,7 @@ class ActionRunner:
         try:
             action.do(self.ctx)
             return True
-        except Exception as exc:  # noqa: BLE001 - recorded in the report, the run goes on
+        except Exception as exc:
             self.last_error[action.name] = f"{type(exc).__name__}: {exc}"
             return False
 
@@ -252,7 +252,7 @@ class ActionRunner:
                 due = action.at_s is not None and self.ctx.elapsed_nominal() >= action.at_s
                 try:
                     ready = action.when(self.ctx) if action.when else False
-                except Exception:  # noqa: BLE001
+                except Exception:
                     ready = False
                 if (due or ready) and self._run(action):
                     self.succeeded.add(action.name)

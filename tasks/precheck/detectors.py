@@ -7,6 +7,9 @@ from tasks.models.Quarantine.Reason.
 
 from __future__ import annotations
 
+# Imported (and warmed: mutagen loads its format modules on first use) in the parent, so a forked
+# pre-check does not pay for the imports each time.
+import io
 import math
 import re
 import struct
@@ -14,19 +17,24 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-# Imported (and warmed: mutagen loads its format modules on first use) in the parent, so a forked
-# pre-check does not pay for the imports each time.
-import io
-
 import mutagen
 
 try:
     mutagen.File(io.BytesIO(bytes(256)))
-except Exception:  # noqa: BLE001 - only the side effect (imports) matters
+except Exception:
     pass
 
 from tasks.filetypes import (
-    ARCHIVE, AUDIO, DOCUMENT, EXECUTABLE, EXTENSION_FAMILY, MEDIA, OOXML, TEXT, UNKNOWN, sniff,
+    ARCHIVE,
+    AUDIO,
+    DOCUMENT,
+    EXECUTABLE,
+    EXTENSION_FAMILY,
+    MEDIA,
+    OOXML,
+    TEXT,
+    UNKNOWN,
+    sniff,
 )
 from tasks.precheck import DETECTOR_VERSION
 
@@ -207,7 +215,7 @@ def inspect_pdf(path: Path, findings: dict[str, Any]) -> None:
 def inspect_audio(path: Path, findings: dict[str, Any]) -> None:
     try:
         audio = mutagen.File(path)
-    except Exception:  # noqa: BLE001 - any parse failure of a declared audio file means corrupt
+    except Exception:
         audio = None
     length = getattr(getattr(audio, "info", None), "length", None)
     if audio is None or not length or length <= 0:

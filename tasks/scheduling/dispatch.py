@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Iterator
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -373,7 +374,7 @@ def send_due_steps(now: datetime) -> int:
     for row in rows:
         if row["state"] == S.RUNNING and row["phase"] != Task.Phase.POLL:
             continue
-        if Task.objects.filter(pk=row["pk"], state=row["state"], generation=row["generation"]).update(enqueued_at=now):
+        if task_update(row["pk"], state=row["state"], generation=row["generation"], enqueued_at=now):
             step = steps[row["state"]]
             send_step(step, row["pk"], row["generation"], lane=row["lane_id"] if step != "precheck" else None)
             sent += 1
@@ -388,7 +389,7 @@ def resend_lost_starts(now: datetime) -> int:
     )[:BATCH]
     sent = 0
     for row in rows:
-        if Task.objects.filter(pk=row["pk"], state=S.QUEUED, generation=row["generation"]).update(enqueued_at=now):
+        if task_update(row["pk"], state=S.QUEUED, generation=row["generation"], enqueued_at=now):
             send_step("start", row["pk"], row["generation"], lane=row["lane_id"])
             sent += 1
     return sent

@@ -374,17 +374,22 @@ def _abandon(task: Task, channel: VendorChannel) -> dict[str, Any]:
 
 
 # --- poll -------------------------------------------------------------------------------------
-def step_poll(task_id: Any, generation: int) -> str:
+def _leased(task_id: Any, generation: int, state: State, body, *, phase: str | None = None) -> str:
+    """Run one step under a lease on the task at (state, generation); a stale message does nothing."""
     task = _load(task_id)
-    if task is None or task.state != S.RUNNING or task.generation != generation or task.phase != P.POLL:
+    if task is None or task.state != state or task.generation != generation or (phase and task.phase != phase):
         return "stale"
     lease = Lease.claim(task)
     if lease is None:
         return "busy"
     try:
-        return _poll(task)
+        return body(task)
     finally:
         lease.release()
+
+
+def step_poll(task_id: Any, generation: int) -> str:
+    return _leased(task_id, generation, S.RUNNING, _poll, phase=P.POLL)
 
 
 def _poll(task: Task) -> str:
@@ -582,16 +587,7 @@ def orphan_check(job: VendorJob) -> None:
 
 # --- reconcile --------------------------------------------------------------------------------
 def step_reconcile(task_id: Any, generation: int) -> str:
-    task = _load(task_id)
-    if task is None or task.state != S.RECONCILING or task.generation != generation:
-        return "stale"
-    lease = Lease.claim(task)
-    if lease is None:
-        return "busy"
-    try:
-        return _reconcile(task)
-    finally:
-        lease.release()
+    return _leased(task_id, generation, S.RECONCILING, _reconcile)
 
 
 def _reconcile(task: Task) -> str:
@@ -691,16 +687,7 @@ def _reconciled_none(task: Task, why: str) -> str:
 # --- cancel -----------------------------------------------------------------------------------
 def step_cancel(task_id: Any, generation: int) -> str:
     """CANCEL_REQUESTED → CANCELLED once the vendor confirms, or the job is over, or none exists."""
-    task = _load(task_id)
-    if task is None or task.state != S.CANCEL_REQUESTED or task.generation != generation:
-        return "stale"
-    lease = Lease.claim(task)
-    if lease is None:
-        return "busy"
-    try:
-        return _cancel(task)
-    finally:
-        lease.release()
+    return _leased(task_id, generation, S.CANCEL_REQUESTED, _cancel)
 
 
 def _cancel(task: Task) -> str:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -19,9 +20,15 @@ from django.utils import timezone
 
 from tasks import filetypes, timescale
 from tasks.errors import (
-    BacklogFull, FileNotFound, FileQuarantined, IdempotencyKeyInUse, IdempotencyKeyMismatch, InvalidRequest,
+    BacklogFull,
+    FileNotFound,
+    FileQuarantined,
+    IdempotencyKeyInUse,
+    IdempotencyKeyMismatch,
+    InvalidRequest,
     UnsupportedType,
 )
+from tasks.lifecycle import task_update
 from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.queueing import send_step_on_commit
@@ -310,9 +317,8 @@ def task_precheck_and_route(task_id: Any, generation: int) -> str:
     from tasks.scheduling.dispatch import dispatch_soon, lane_has_room
 
     if task.deferred or not lane_has_room(lane):
-        Task.objects.filter(pk=task.pk, state=State.ACCEPTED, generation=generation).update(
-            lane=lane, deferred=True, estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None,
-        )
+        task_update(task.pk, state=State.ACCEPTED, generation=generation, lane=lane, deferred=True,
+                    estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None)
         return "deferred"
     now = timezone.now()
     moved = task_move(

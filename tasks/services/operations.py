@@ -3,8 +3,8 @@ services (never an UPDATE of state) and says, when it does nothing, why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from django.utils import timezone
 

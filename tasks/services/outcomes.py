@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from tasks import lifecycle
@@ -86,11 +85,3 @@ def _notification_outbox(task_id: Any, target: State) -> None:
             tenant=task.tenant, url=url, payload=event_payload(task, EVENT_TYPES[target]), next_attempt_at=timezone.now()
         ),
     )
-
-
-def open_attempt(task_id: Any, generation: int) -> Attempt | None:
-    return Attempt.objects.filter(task_id=task_id, generation=generation).first()
-
-
-def attempts_unended(task_id: Any) -> Q:
-    return Q(task_id=task_id, ended_at__isnull=True)

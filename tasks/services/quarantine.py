@@ -13,7 +13,6 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from tasks import lifecycle
 from tasks.models import AuditEntry, FileVersion, Quarantine, Task
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION

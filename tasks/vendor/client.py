@@ -11,9 +11,10 @@ import hashlib
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 from django.db import connection
@@ -337,7 +338,7 @@ class VendorClient:
                 response.close()
         except StopUpload:
             raise
-        except Exception as exc:  # noqa: BLE001 - every transport failure is classified below
+        except Exception as exc:
             row = classify_exception(exc)
             duration = time.monotonic() - started
             error = VendorError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 
@@ -176,10 +176,10 @@ def parse_retry_after(value: str | None, *, date_header: str | None = None, now:
             reference = parsedate_to_datetime(date_header)
         except (TypeError, ValueError, IndexError):
             reference = None
-    reference = reference or now or datetime.now(timezone.utc)
+    reference = reference or now or datetime.now(UTC)
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     if reference.tzinfo is None:
-        reference = reference.replace(tzinfo=timezone.utc)
+        reference = reference.replace(tzinfo=UTC)
     seconds = (when - reference).total_seconds()
     return max(seconds, 0.0)

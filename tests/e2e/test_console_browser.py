@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.conf import settings
 
 from console.staff import staff_ensure
 from tasks.lifecycle import transition

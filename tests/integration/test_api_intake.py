@@ -5,8 +5,8 @@ import json
 import pytest
 
 from tasks.models import FileVersion, IdempotencyRecord, Task, TaskEvent
-from tasks.services.tenancy import tenant_ensure, token_issue
 from tasks.poc import files
+from tasks.services.tenancy import tenant_ensure, token_issue
 
 pytestmark = pytest.mark.django_db
 

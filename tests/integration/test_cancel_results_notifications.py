@@ -33,7 +33,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.calls.append((json.loads(body), {k.lower(): v for k, v in self.headers.items()}, body))
                 self.send_response(500 if len(receiver.calls) <= fail_first else 204)

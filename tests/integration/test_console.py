@@ -124,7 +124,7 @@ def test_large_bulk_operations_need_the_count_typed(as_role, api):
 
 
 def test_preview_explains_what_will_be_skipped(as_role, api):
-    ids = failed_tasks(api, 2)
+    failed_tasks(api, 2)
     submit_file(api)  # an ACCEPTED task the replay must skip
     client = as_role("operator")
     assert client.get(reverse("admin:bulk_preview", args=["replay"])).status_code == 302  # no filter: choose first

@@ -341,7 +341,7 @@ def _raw(vendor_server: str, payload: bytes, *, wait: float = 1.0) -> bytes:
                 if not data:
                     break
                 chunks.append(data)
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
     return b"".join(chunks)
 
@@ -365,7 +365,7 @@ def test_signed_callbacks_are_retried_until_acknowledged(fake, http):
     attempts = {"n": 0}
 
     class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             body = self.rfile.read(int(self.headers["Content-Length"]))
             attempts["n"] += 1
             if attempts["n"] < 3:

@@ -4,9 +4,9 @@ import pytest
 from django_q.brokers import get_broker
 
 from tasks.models import Task, TaskEvent, VendorJob
+from tasks.poc import files
 from tasks.queueing import control_cluster, send_step
 from tests.conftest import wait_for
-from tasks.poc import files
 from tests.support.flows import state, submit_file
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

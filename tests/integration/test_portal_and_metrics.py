@@ -4,8 +4,8 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from tasks.models import Task
-from tasks.services.tenancy import tenant_user_ensure
 from tasks.poc import files
+from tasks.services.tenancy import tenant_user_ensure
 
 pytestmark = pytest.mark.django_db
 
@@ -67,9 +67,10 @@ def test_another_tenants_task_is_not_found_on_the_forms(portal, db):
     from tasks.services.tenancy import tenant_ensure
 
     other = tenant_ensure(name="other")
-    from tests.support.flows import submit_file
-    from tasks.services.tenancy import token_issue
     from django.test import Client
+
+    from tasks.services.tenancy import token_issue
+    from tests.support.flows import submit_file
 
     api = Client(HTTP_AUTHORIZATION=f"Bearer {token_issue(tenant=other).token}")
     task_id = submit_file(api)

@@ -2,7 +2,6 @@
 quarantine (release, purge, recognising the same content again)."""
 
 import pytest
-from django.conf import settings
 
 from tasks.models import FileVersion, Quarantine, Task, VendorJob
 from tasks.poc import files
@@ -114,7 +113,6 @@ def test_release_replays_the_task_in_the_unknown_risk_lane_and_purge_removes_the
 def test_a_pre_check_left_behind_by_a_dead_worker_is_killed_and_its_temp_dir_removed(tmp_path, settings, db):
     import json
     import subprocess
-    import time
 
     from tasks.precheck.sandbox import _registry, kill_orphans
 

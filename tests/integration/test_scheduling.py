@@ -115,7 +115,7 @@ def test_every_waiting_task_says_why(api, tenant, vendor):
     task = route(submit_file(api, priority="batch"))
     Lane.objects.filter(pk="batch").update(paused=True)
     Task.objects.filter(pk=task.pk).update(dispatched_at=None)
-    reload = lambda: Task.objects.select_related("lane", "tenant").get(pk=task.pk)  # noqa: E731
+    reload = lambda: Task.objects.select_related("lane", "tenant").get(pk=task.pk)
     assert waiting_reason(reload()) == "lane_paused"
     Lane.objects.filter(pk="batch").update(paused=False, max_running=0)
     assert waiting_reason(reload()) == "lane_full"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tasks.models import DuplicateIncident, Task, TaskEvent, VendorCall, VendorChannel, VendorJob
-from tests.conftest import TEST_TIME_SCALE, run_until
 from tasks.poc import files
+from tests.conftest import TEST_TIME_SCALE, run_until
 from tests.support.flows import submit_file
 
 pytestmark = pytest.mark.django_db(transaction=True)

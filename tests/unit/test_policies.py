@@ -1,10 +1,16 @@
 """Retry, poll, breaker and timeout policies, and Retry-After parsing (no database)."""
 
 import random
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import format_datetime
 
-from tasks.vendor.policies import BreakerPolicy, PollPolicy, RetryPolicy, TimeoutPolicy, parse_retry_after
+from tasks.vendor.policies import (
+    BreakerPolicy,
+    PollPolicy,
+    RetryPolicy,
+    TimeoutPolicy,
+    parse_retry_after,
+)
 
 
 def test_full_jitter_stays_under_the_exponential_ceiling_and_the_cap():
@@ -41,8 +47,8 @@ def test_retry_after_delta_seconds():
 def test_retry_after_http_date_is_read_against_the_response_date():
     date_header = "Sun, 29 Nov 2026 18:00:00 GMT"
     assert parse_retry_after("Sun, 29 Nov 2026 18:00:07 GMT", date_header=date_header) == 7.0
-    now = datetime(2026, 11, 29, 18, 0, 0, tzinfo=timezone.utc)
-    later = format_datetime(datetime(2026, 11, 29, 18, 0, 30, tzinfo=timezone.utc), usegmt=True)
+    now = datetime(2026, 11, 29, 18, 0, 0, tzinfo=UTC)
+    later = format_datetime(datetime(2026, 11, 29, 18, 0, 30, tzinfo=UTC), usegmt=True)
     assert parse_retry_after(later, now=now) == 30.0
 
 

@@ -31,7 +31,7 @@ class Command(BaseCommand):
             close_old_connections()
             try:
                 tick()
-            except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad pass
+            except Exception as exc:
                 log_event("dispatch_error", 40, exception=exc)
             if once:
                 break
