@@ -17,7 +17,8 @@ from typing import Any
 from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Max, Min
+from django.db.models import CharField, Count, Max, Min
+from django.db.models.functions import Cast
 from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
@@ -241,10 +242,11 @@ def build(site) -> list:
         return HttpResponseRedirect(reverse("admin:billing"))
 
     def triage(request):
+        # PostgreSQL has no max(uuid): a sample id is picked from the text form (both backends).
         groups = (
             Task.objects.filter(state=State.FAILED).order_by()
             .values("error_code", "channel_id", "kind")
-            .annotate(count=Count("id"), first=Min("finished_at"), last=Max("finished_at"), sample=Max("id"))
+            .annotate(count=Count("id"), first=Min("finished_at"), last=Max("finished_at"), sample=Max(Cast("id", CharField())))
             .order_by("-count")[:100]
         )
         return render(request, site, "console/triage.html", "Failure triage", groups=groups,
