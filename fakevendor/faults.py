@@ -7,7 +7,7 @@ explicit `sequence` of fault types (or "ok") replaces `type` for successive matc
 
 Types fall in three families; a request gets at most one rule of each family:
 - wire: what happens on the socket (delay, stall, dribble, bandwidth, http_error, rate_limit,
-  reset, close, garbage, response_lost);
+  reset, close, garbage, goaway, response_lost);
 - create: how a job create behaves (ignore_idempotency, duplicate_create);
 - job: what the created job does later (job_fail, stuck, digest_mismatch, transient_404).
 """
@@ -20,7 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "response_lost")
+WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "goaway",
+        "response_lost")
 CREATE = ("ignore_idempotency", "duplicate_create")
 JOB = ("job_fail", "stuck", "digest_mismatch", "transient_404")
 TYPES = WIRE + CREATE + JOB
@@ -97,9 +98,13 @@ def validate_params(kind: str, params: dict[str, Any]) -> None:
             _number(params, "after_bytes", required=True, integer=True)
     elif kind == "garbage":
         _number(params, "bytes", minimum=1, integer=True)
+    elif kind == "goaway":
+        _number(params, "last_stream_id", integer=True)
+        _number(params, "error_code", integer=True)
     elif kind == "response_lost":
-        if params.get("mode", "reset") not in ("reset", "close", "stall"):
-            raise RuleError("params.mode", "must be reset, close or stall")
+        if params.get("mode", "reset") not in ("reset", "close", "stall", "goaway"):
+            raise RuleError("params.mode", "must be reset, close, stall or goaway")
+        _number(params, "error_code", integer=True)
     elif kind == "duplicate_create":
         _number(params, "copies", required=True, minimum=2, integer=True)
     elif kind == "job_fail":

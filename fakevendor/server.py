@@ -1,5 +1,6 @@
-"""The fake vendor: a real HTTP/1.1 server on loopback (asyncio + h11) whose faults happen on the
-socket — resets with SO_LINGER 0, stalls, slow reads, lost responses — not in a mock.
+"""The fake vendor: a real HTTP server on loopback (asyncio + h11, and HTTP/2 with prior knowledge
+through h2) whose faults happen on the socket — resets with SO_LINGER 0, stalls, slow reads, lost
+responses, GOAWAY — not in a mock.
 
 It implements shared/contracts/vendor-api.md for any number of channels (path prefixes) and the
 /__admin/ control API (faults, seed, reset, journal, invariants, channels).
@@ -27,19 +28,13 @@ import h11
 
 from fakevendor import jobs as J
 from fakevendor.config import ChannelConfig, ServerConfig
+from fakevendor.errors import Aborted, ClientGone
 from fakevendor.faults import Decision, FaultEngine, RequestFacts, RuleError
+from fakevendor.http2 import PREFACE, H2Session, H2Stream
 from fakevendor.store import Store
 
 READ_SIZE = 64 * 1024
 MAX_JSON_BODY = 1024 * 1024
-
-
-class ClientGone(Exception):
-    """The client closed or broke the connection."""
-
-
-class Aborted(Exception):
-    """We ended the connection on purpose (a fault)."""
 
 
 @dataclass
@@ -52,6 +47,7 @@ class Request:
     headers: dict[str, str]
     channel: str
     route: list[str]
+    protocol: str = "HTTP/1.1"
     started: float = field(default_factory=time.monotonic)
     body: bytes = b""
     bytes_in: int = 0
@@ -81,6 +77,10 @@ class Connection:
         self.writer = writer
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
         self.closed = False
+
+    @property
+    def body_pending(self) -> bool:
+        return self.h11.their_state is h11.SEND_BODY
 
     async def next_event(self) -> Any:
         """The next request (a malformed one raises h11.RemoteProtocolError: answered 400)."""
@@ -212,6 +212,14 @@ class Connection:
                 self.close()
                 return
 
+    async def goaway(self, *, last_stream_id: int | None = None, error_code: int = 0) -> None:
+        """HTTP/1.1 has no GOAWAY: the nearest thing is closing without an answer."""
+        self.close()
+
+
+# What a handler answers through: an HTTP/1.1 connection or one HTTP/2 stream.
+Wire = Connection | H2Stream
+
 
 def _reason(status: int) -> bytes:
     from http import HTTPStatus
@@ -258,7 +266,22 @@ class FakeVendor:
 
     # --- connection handling -------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # HTTP/2 with prior knowledge starts with a fixed preface; anything else is HTTP/1.1.
+        start = b""
+        try:
+            while len(start) < len(PREFACE) and PREFACE.startswith(start):
+                chunk = await reader.read(len(PREFACE) - len(start))
+                if not chunk:
+                    break
+                start += chunk
+        except (ConnectionError, asyncio.CancelledError):
+            writer.close()
+            return
+        if start == PREFACE:
+            await H2Session(reader, writer, self._serve_stream).run(start)
+            return
         conn = Connection(reader, writer)
+        conn.h11.receive_data(start)
         try:
             while not conn.closed:
                 event = await conn.next_event()
@@ -296,11 +319,24 @@ class FakeVendor:
             if not conn.closed:
                 conn.close()
 
+    async def _serve_stream(self, stream: H2Stream, raw_headers: list[tuple[str, str]]) -> None:
+        """One HTTP/2 stream: the same handlers as HTTP/1.1."""
+        pseudo = {k: v for k, v in raw_headers if k.startswith(":")}
+        headers = {k.lower(): v for k, v in raw_headers if not k.startswith(":")}
+        request = self._request(pseudo.get(":method", "GET"), pseudo.get(":path", "/"), headers)
+        request.protocol = "HTTP/2"
+        try:
+            await self._handle(stream, request)
+        except (ClientGone, Aborted, ConnectionError, OverflowError):
+            pass
+
     def _parse(self, event: h11.Request) -> Request:
-        target = event.target.decode("latin-1")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+        return self._request(event.method.decode(), event.target.decode("latin-1"), headers)
+
+    def _request(self, method: str, target: str, headers: dict[str, str]) -> Request:
         split = urlsplit(target)
         segments = [s for s in split.path.split("/") if s]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         query = {k: v[0] for k, v in parse_qs(split.query).items()}
         if segments[:1] == ["v1"] or segments[:1] == ["__admin"]:
             channel, route = "default", segments
@@ -309,11 +345,11 @@ class FakeVendor:
         else:
             channel, route = "default", segments
         return Request(
-            method=event.method.decode(), target=target, path=split.path, segments=segments,
+            method=method, target=target, path=split.path, segments=segments,
             query=query, headers=headers, channel=channel, route=route,
         )
 
-    async def _handle(self, conn: Connection, request: Request) -> None:
+    async def _handle(self, conn: Wire, request: Request) -> None:
         if request.route[:1] == ["__admin"]:
             await self._admin(conn, request)
             return
@@ -331,6 +367,10 @@ class FakeVendor:
         except Aborted as exc:
             outcome = str(exc) or "aborted"
             raise
+        except asyncio.CancelledError:
+            # An HTTP/2 stream above a GOAWAY's last-stream-id, or the server shutting down.
+            outcome = "cut_off"
+            raise
         finally:
             self.in_flight -= 1
             self.store.journal(
@@ -341,11 +381,12 @@ class FakeVendor:
                     "client_ref": request.client_ref, "idempotency_key": request.headers.get("idempotency-key"),
                     "job_id": request.job_id, "retry_after": request.retry_after,
                     "duration_ms": int((time.monotonic() - request.started) * 1000),
+                    "protocol": request.protocol,
                 }
             )
 
     # --- vendor API ------------------------------------------------------------------------
-    async def _vendor(self, conn: Connection, request: Request) -> tuple[int | None, str]:
+    async def _vendor(self, conn: Wire, request: Request) -> tuple[int | None, str]:
         channel = self.config.channel(request.channel)
         auth = request.headers.get("authorization", "")
         if not auth.startswith("Bearer ") or auth[7:] not in self.config.api_keys:
@@ -391,6 +432,10 @@ class FakeVendor:
                 conn.reset()
             elif mode == "close":
                 conn.close()
+            elif mode == "goaway":
+                # "I may have processed your request": last-stream-id covers this stream.
+                await conn.goaway(last_stream_id=getattr(conn, "stream_id", None),
+                                  error_code=int(wire.params.get("error_code", 0)))
             else:
                 await conn.stall_forever()
             return status, f"response_lost:{mode}"
@@ -401,7 +446,7 @@ class FakeVendor:
         return status, "dribble" if dribble else "ok"
 
     async def _wire_before(
-        self, conn: Connection, request: Request, wire: Decision, channel: ChannelConfig
+        self, conn: Wire, request: Request, wire: Decision, channel: ChannelConfig
     ) -> tuple[int | None, str] | None:
         """Faults that act before the request is processed. None: go on processing."""
         kind, params = wire.type, wire.params
@@ -444,10 +489,14 @@ class FakeVendor:
             await self._discard_body(conn, request)
             await conn.garbage(int(params.get("bytes", 64)), wire.rng)
             return None, "garbage"
+        if kind == "goaway":
+            # Refused before processing: with the default last-stream-id the client may resend.
+            await conn.goaway(last_stream_id=params.get("last_stream_id"), error_code=int(params.get("error_code", 0)))
+            return None, "goaway"
         return None
 
-    async def _discard_body(self, conn: Connection, request: Request) -> None:
-        if conn.h11.their_state is h11.SEND_BODY:
+    async def _discard_body(self, conn: Wire, request: Request) -> None:
+        if conn.body_pending:
             await conn.read_body(request)
 
     def _rate_limited(self, name: str, channel: ChannelConfig) -> float | None:
@@ -465,7 +514,7 @@ class FakeVendor:
         return max(1.0, math.ceil((1 - tokens) / channel.rate_limit_per_s))
 
     async def _rate_limit_answer(
-        self, conn: Connection, request: Request, *, retry_after_s: float, status: int, as_date: bool = False
+        self, conn: Wire, request: Request, *, retry_after_s: float, status: int, as_date: bool = False
     ) -> int:
         seconds = max(int(math.ceil(retry_after_s)), 0)
         value = formatdate(time.time() + seconds, usegmt=True) if as_date else str(seconds)
@@ -491,7 +540,7 @@ class FakeVendor:
 
     async def _problem(
         self,
-        conn: Connection,
+        conn: Wire,
         request: Request,
         status: int,
         code: str,
@@ -510,7 +559,7 @@ class FakeVendor:
         return status
 
     async def _route(
-        self, conn: Connection, request: Request, channel: ChannelConfig, facts: RequestFacts,
+        self, conn: Wire, request: Request, channel: ChannelConfig, facts: RequestFacts,
         *, bandwidth: float | None, reset_after: int | None,
     ) -> tuple[int, list[tuple[str, str]], bytes | Path]:
         route, method = request.route, request.method
@@ -534,7 +583,7 @@ class FakeVendor:
         return _problem_tuple(404, "not_found", "No such endpoint.")
 
     async def _receive_file(
-        self, conn: Connection, request: Request, channel: ChannelConfig, *, bandwidth: float | None,
+        self, conn: Wire, request: Request, channel: ChannelConfig, *, bandwidth: float | None,
         reset_after: int | None,
     ) -> tuple[Path, int, str] | tuple[int, list, bytes]:
         length = request.content_length
@@ -566,7 +615,7 @@ class FakeVendor:
             return _problem_tuple(400, "digest_mismatch", "X-Content-SHA256 does not match the body.")
         return path, size, sha
 
-    async def _upload(self, conn: Connection, request: Request, channel: ChannelConfig, *, bandwidth, reset_after):
+    async def _upload(self, conn: Wire, request: Request, channel: ChannelConfig, *, bandwidth, reset_after):
         received = await self._receive_file(conn, request, channel, bandwidth=bandwidth, reset_after=reset_after)
         if isinstance(received[0], int):
             return received
@@ -885,7 +934,7 @@ class FakeVendor:
                                   callback_next_at=now + self.scaled(500 * 2 ** attempts))
 
     # --- control API ----------------------------------------------------------------------
-    async def _admin(self, conn: Connection, request: Request) -> None:
+    async def _admin(self, conn: Wire, request: Request) -> None:
         route, method = request.route[1:], request.method
         if route == ["health"]:
             await conn.respond(200, [("Content-Type", "application/json")], _json({"ok": True, "port": self.config.port}))
@@ -895,7 +944,7 @@ class FakeVendor:
             await self._admin_answer(conn, _problem_tuple(401, "unauthenticated", "The admin token is required."))
             return
         body: Any = None
-        if conn.h11.their_state is h11.SEND_BODY:
+        if conn.body_pending:
             chunks: list[bytes] = []
             try:
                 await conn.read_body(request, sink=chunks.append, limit=MAX_JSON_BODY)
@@ -911,7 +960,7 @@ class FakeVendor:
                     return
         await self._admin_answer(conn, self._admin_route(route, method, request, body))
 
-    async def _admin_answer(self, conn: Connection, answer: tuple) -> None:
+    async def _admin_answer(self, conn: Wire, answer: tuple) -> None:
         status, headers, body = answer
         await conn.respond(status, headers, body)
 
@@ -982,7 +1031,7 @@ class FakeVendor:
              "channel": r["channel"], "endpoint": r["endpoint"], "rule_id": r["rule_id"], "draw": r["draw"],
              "bytes_in": r["bytes_in"], "status": r["status"], "outcome": r["outcome"], "client_ref": r["client_ref"],
              "idempotency_key": r["idempotency_key"], "job_id": r["job_id"], "retry_after": r["retry_after"],
-             "duration_ms": r["duration_ms"]}
+             "duration_ms": r["duration_ms"], "protocol": r["protocol"]}
             for r in rows
         ]
         return 200, [("Content-Type", "application/json")], _json({"data": data})

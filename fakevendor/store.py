@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS ledger (
 CREATE TABLE IF NOT EXISTS journal (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, method TEXT, path TEXT, channel TEXT,
     endpoint TEXT, rule_id TEXT, draw REAL, bytes_in INTEGER, status INTEGER, outcome TEXT,
-    client_ref TEXT, idempotency_key TEXT, job_id TEXT, retry_after TEXT, duration_ms INTEGER
+    client_ref TEXT, idempotency_key TEXT, job_id TEXT, retry_after TEXT, duration_ms INTEGER,
+    protocol TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
@@ -64,6 +65,9 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=OFF")
         self.db.executescript(SCHEMA)
+        columns = {row["name"] for row in self.db.execute("PRAGMA table_info(journal)")}
+        if "protocol" not in columns:  # a data dir from before HTTP/2
+            self.db.execute("ALTER TABLE journal ADD COLUMN protocol TEXT")
         self.db.commit()
         self._dirty = False
 
@@ -133,9 +137,9 @@ class Store:
     def journal(self, entry: dict[str, Any]) -> None:
         self.execute(
             "INSERT INTO journal (at, method, path, channel, endpoint, rule_id, draw, bytes_in, status,"
-            " outcome, client_ref, idempotency_key, job_id, retry_after, duration_ms)"
+            " outcome, client_ref, idempotency_key, job_id, retry_after, duration_ms, protocol)"
             " VALUES (:at, :method, :path, :channel, :endpoint, :rule_id, :draw, :bytes_in, :status,"
-            " :outcome, :client_ref, :idempotency_key, :job_id, :retry_after, :duration_ms)",
+            " :outcome, :client_ref, :idempotency_key, :job_id, :retry_after, :duration_ms, :protocol)",
             entry,
         )
 

@@ -35,6 +35,18 @@ def vendor_server(tmp_path_factory):
 
 
 @pytest.fixture
+def fake(vendor_server, settings):
+    """The fake vendor's control API, reset, with the default channel's test settings."""
+    from fakevendor.control import VendorControl
+
+    control = VendorControl(vendor_server, settings.FAKEVENDOR_ADMIN_TOKEN)
+    control.reset()
+    control.set_seed(1)
+    control.channel("default", **CHANNEL_DEFAULTS)
+    return control
+
+
+@pytest.fixture
 def vendor(vendor_server, transactional_db, settings):
     """The fake vendor, reset, with Sluice's channels pointing at it."""
     from fakevendor.control import VendorControl

@@ -14,20 +14,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import httpx
 import pytest
 
-from fakevendor.control import ControlError, VendorControl
+from fakevendor.control import ControlError
 from tests.conftest import CHANNEL_DEFAULTS, TEST_TIME_SCALE
 
 KEY = "dev-vendor-key"
 SCALE = TEST_TIME_SCALE
-
-
-@pytest.fixture
-def fake(vendor_server, settings):
-    control = VendorControl(vendor_server, settings.FAKEVENDOR_ADMIN_TOKEN)
-    control.reset()
-    control.set_seed(1)
-    control.channel("default", **CHANNEL_DEFAULTS)
-    return control
 
 
 @pytest.fixture
@@ -316,6 +307,8 @@ def test_match_on_client_ref_and_header(fake, http):
     ({"endpoint": "POST /v1/jobs", "type": "close", "probability": 2}, "probability"),
     ({"endpoint": "POST /v1/jobs", "sequence": ["ok", "boom"]}, "sequence[1]"),
     ({"endpoint": "POST /v1/jobs", "type": "reset", "params": {"stage": "mid_body"}}, "params.after_bytes"),
+    ({"endpoint": "POST /v1/jobs", "type": "goaway", "params": {"last_stream_id": "one"}}, "params.last_stream_id"),
+    ({"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": "vanish"}}, "params.mode"),
 ])
 def test_a_malformed_rule_is_400_naming_the_field(fake, rule, field):
     with pytest.raises(ControlError) as info:
