@@ -110,7 +110,8 @@ else:
 LANES = ("interactive", "batch", "heavy", "unknown-risk")
 LANE_WORKERS = {"interactive": 2, "batch": 1, "heavy": 1, "unknown-risk": 1}
 LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
-# The django-q2 timeout of a lane bounds one step (an upload at most); retry must exceed it.
+# The django-q2 timeout of a lane bounds one message: a step (an upload at most), or a pre-check
+# and the start that may follow it at once. The broker's retry must exceed it.
 LANE_STEP_TIMEOUT_S = {"interactive": 600, "batch": 1800, "heavy": 7200, "unknown-risk": 1800}
 CONTROL_WORKERS = env("SLUICE_CONTROL_WORKERS", 2)
 

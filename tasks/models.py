@@ -177,7 +177,7 @@ class VendorChannel(models.Model):
     max_inflight_jobs = models.PositiveIntegerField(default=20)
     max_concurrent_uploads = models.PositiveIntegerField(default=4)
     reserved_for_interactive = models.PositiveIntegerField(
-        default=2, help_text="Job slots only the interactive lane may take, so batch floods cannot starve it."
+        default=2, help_text="Job and upload slots only the interactive lane may take (at most half of each budget), so batch floods cannot starve it."
     )
     # Time layers (nominal seconds; multiplied by the time scale).
     connect_timeout_s = models.FloatField(default=5)

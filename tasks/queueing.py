@@ -31,6 +31,11 @@ def send(func: str, *args: Any, cluster: str | None = None, name: str = "") -> N
     async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100])
 
 
+def queue_backlog(cluster: str | None) -> int:
+    """Messages waiting in a cluster's queue that no worker has taken yet."""
+    return _broker(cluster or control_cluster()).queue_size() or 0
+
+
 def send_step(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> None:
     """Ask a worker of `lane` (or the control cluster) to run `step` for the task at `generation`."""
     send("tasks.workers.run_step", step, str(task_id), generation, cluster=lane, name=f"{step} {task_id}")

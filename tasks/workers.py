@@ -3,6 +3,7 @@ whether there is anything to do (a stale or duplicated message does nothing)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -27,15 +28,38 @@ def run_step(step: str, task_id: str, generation: int) -> str:
     outcome = handlers[step](task_id, int(generation))
     log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
               duration_ms=int((time.monotonic() - started) * 1000))
+    if step == "precheck" and outcome == "queued":
+        # Admitted at once into this very lane: start here instead of queueing the start
+        # behind other messages (the start message sent anyway then finds nothing to do).
+        row = _dispatched_here(task_id)
+        if row is not None:
+            step, generation = "start", row["generation"]
+            started = time.monotonic()
+            outcome = execution.step_start(task_id, generation)
+            log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
+                      duration_ms=int((time.monotonic() - started) * 1000))
     if step != "precheck" and outcome not in ("stale", "busy", "lost_claim"):
         from tasks.models import Task
         from tasks.states import IN_FLIGHT_STATES
 
         row = Task.objects.filter(pk=task_id).values("lane_id", "state").first()
         if row and row["state"] not in IN_FLIGHT_STATES:
-            # The task left its slot: let the next one in.
-            dispatch_soon(row["lane_id"])
+            # The task left its slots. Its vendor slot is shared by every lane, so the lanes are
+            # offered it in dispatch order (interactive first), not only the task's own lane.
+            dispatch_soon(None)
     return outcome
+
+
+def _dispatched_here(task_id: str) -> dict | None:
+    """The task's row if it was dispatched into the lane whose cluster runs this worker."""
+    from tasks.models import Task
+    from tasks.states import State
+
+    lane = os.environ.get("Q_CLUSTER_NAME")
+    if not lane:
+        return None
+    return Task.objects.filter(pk=task_id, state=State.QUEUED, dispatched_at__isnull=False, lane_id=lane).values(
+        "generation").first()
 
 
 def run_notification(notification_id: int) -> str:

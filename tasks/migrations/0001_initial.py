@@ -51,7 +51,7 @@ class Migration(migrations.Migration):
                 ('enabled', models.BooleanField(default=True)),
                 ('max_inflight_jobs', models.PositiveIntegerField(default=20)),
                 ('max_concurrent_uploads', models.PositiveIntegerField(default=4)),
-                ('reserved_for_interactive', models.PositiveIntegerField(default=2, help_text='Job slots only the interactive lane may take, so batch floods cannot starve it.')),
+                ('reserved_for_interactive', models.PositiveIntegerField(default=2, help_text='Job and upload slots only the interactive lane may take (at most half of each budget), so batch floods cannot starve it.')),
                 ('connect_timeout_s', models.FloatField(default=5)),
                 ('status_timeout_s', models.FloatField(default=10)),
                 ('result_timeout_s', models.FloatField(default=30)),

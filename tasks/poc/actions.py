@@ -43,8 +43,8 @@ def duplicate_messages(ctx) -> None:
         if key in seen:
             continue
         if task["state"] == State.ACCEPTED:
-            send_step("precheck", task["pk"], task["generation"])
-            send_step("precheck", task["pk"], task["generation"])
+            send_step("precheck", task["pk"], task["generation"], lane=task["lane_id"])
+            send_step("precheck", task["pk"], task["generation"], lane=task["lane_id"])
         elif task["dispatched_at"] is not None:
             send_step("start", task["pk"], task["generation"], lane=task["lane_id"])
             send_step("start", task["pk"], task["generation"], lane=task["lane_id"])

@@ -24,7 +24,7 @@ from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
 from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
-from tasks.queueing import send, send_step
+from tasks.queueing import queue_backlog, send, send_step
 from tasks.scheduling import quotas
 from tasks.scheduling.budgets import UPLOAD, channel_usage, slots_release, slots_reserve
 from tasks.services.outcomes import task_move
@@ -37,21 +37,36 @@ B = ChannelHealth.Breaker
 ACTOR = "dispatcher"
 BATCH = 200
 # A sent message nobody picked up within this many nominal seconds is sent again (never sooner
-# than the floor in real seconds: a busy queue is not a lost message).
+# than the floor in real seconds). While the lane's queue still holds messages the one we sent is
+# most likely waiting its turn, not lost: it is presumed lost only BUSY_FACTOR times later, so a
+# backlog is not doubled by resends and a message lost under sustained load is still recovered.
 REDISPATCH_AFTER_S = 10.0
 REDISPATCH_FLOOR_S = 2.0
+REDISPATCH_BUSY_FACTOR = 10
 
 
-def resend_cutoff(now: datetime) -> datetime:
-    return now - timedelta(seconds=max(timescale.seconds(REDISPATCH_AFTER_S), REDISPATCH_FLOOR_S))
+def resend_cutoff(now: datetime, *, busy: bool = False) -> datetime:
+    seconds = max(timescale.seconds(REDISPATCH_AFTER_S), REDISPATCH_FLOOR_S)
+    return now - timedelta(seconds=seconds * (REDISPATCH_BUSY_FACTOR if busy else 1))
+
+
+class Backlogs:
+    """Whether a cluster's queue holds messages nobody has taken yet; asked once per tick."""
+
+    def __init__(self) -> None:
+        self._known: dict[str | None, bool] = {}
+
+    def busy(self, lane: str | None) -> bool:
+        if lane not in self._known:
+            self._known[lane] = queue_backlog(lane) > 0
+        return self._known[lane]
+
+
+def presumed_lost(enqueued_at: datetime | None, now: datetime, lane: str | None, backlogs: Backlogs) -> bool:
+    if enqueued_at is None or enqueued_at >= resend_cutoff(now):
+        return False
+    return enqueued_at < resend_cutoff(now, busy=True) or not backlogs.busy(lane)
 _LOCK_KEY = 0x51_1CE
-
-
-def lane_for_step(step: str, task: Task | dict) -> str | None:
-    if step in ("start", "poll", "reconcile", "cancel"):
-        lane = task["lane_id"] if isinstance(task, dict) else task.lane_id
-        return lane
-    return None
 
 
 @contextlib.contextmanager
@@ -227,11 +242,12 @@ class ChannelRoom:
     trials_left: int | None = None
 
     def fits(self, lane: str = "interactive") -> bool:
-        # The last job slots are kept for the interactive lane (article 001's reserved capacity).
-        reserve = 0 if lane == "interactive" else min(
-            self.channel.reserved_for_interactive, self.channel.max_inflight_jobs // 2
-        )
-        if not self.available or self.free_jobs - reserve <= 0 or self.free_uploads <= 0:
+        # The last job and upload slots are kept for the interactive lane (article 001's reserved
+        # capacity): a batch flood waiting for its workers must not hold every upload slot.
+        kept = 0 if lane == "interactive" else self.channel.reserved_for_interactive
+        jobs_kept = min(kept, self.channel.max_inflight_jobs // 2)
+        uploads_kept = min(kept, self.channel.max_concurrent_uploads // 2)
+        if not self.available or self.free_jobs - jobs_kept <= 0 or self.free_uploads - uploads_kept <= 0:
             return False
         return self.trials_left is None or self.trials_left > 0
 
@@ -277,18 +293,26 @@ def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | Non
     return None
 
 
+def _lane_running(lane: Lane):
+    """The lane's tasks holding a slot: in flight, or dispatched and about to start."""
+    return Task.objects.filter(lane=lane).filter(Q(state__in=IN_FLIGHT_STATES) | Q(state=S.QUEUED, dispatched_at__isnull=False))
+
+
 def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
     """Dispatch the lane's waiting tasks into free slots: fair share by tenant weight, with aging."""
     sent: list[tuple[Any, int, str]] = []
-    # Cheap look first: most passes have nothing to admit, and the lock is a write lock on SQLite.
+    # Cheap looks first: most passes have nothing to admit or no free slot, and the lock is a
+    # write lock on SQLite. Both are looked at again under the lock.
     if not Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).exists():
+        return sent
+    if lane.max_running - _lane_running(lane).count() <= 0:
         return sent
     with dispatch_lock():
         lane = Lane.objects.get(pk=lane.pk)
         if lane.paused:
             return []
         in_lane = Task.objects.filter(lane=lane)
-        running = in_lane.filter(Q(state__in=IN_FLIGHT_STATES) | Q(state=S.QUEUED, dispatched_at__isnull=False))
+        running = _lane_running(lane)
         free = lane.max_running - running.count()
         if free <= 0:
             return []
@@ -368,15 +392,19 @@ def send_due_steps(now: datetime) -> int:
         Task.objects.filter(state__in=list(steps), due_at__lte=now)
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
         .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=F("due_at")) | Q(enqueued_at__lt=resend_before))
-        .values("pk", "state", "generation", "lane_id", "phase")[:BATCH]
+        .values("pk", "state", "generation", "lane_id", "phase", "enqueued_at", "due_at")[:BATCH]
     )
     sent = 0
+    backlogs = Backlogs()
     for row in rows:
         if row["state"] == S.RUNNING and row["phase"] != Task.Phase.POLL:
             continue
+        resend = row["enqueued_at"] is not None and row["enqueued_at"] >= row["due_at"]
+        if resend and not presumed_lost(row["enqueued_at"], now, row["lane_id"], backlogs):
+            continue
         if task_update(row["pk"], state=row["state"], generation=row["generation"], enqueued_at=now):
             step = steps[row["state"]]
-            send_step(step, row["pk"], row["generation"], lane=row["lane_id"] if step != "precheck" else None)
+            send_step(step, row["pk"], row["generation"], lane=row["lane_id"])
             sent += 1
     return sent
 
@@ -385,10 +413,13 @@ def resend_lost_starts(now: datetime) -> int:
     """A start message lost between dispatcher and worker (at-most-once Redis) is sent again."""
     cutoff = resend_cutoff(now)
     rows = Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=False, enqueued_at__lt=cutoff).values(
-        "pk", "generation", "lane_id"
+        "pk", "generation", "lane_id", "enqueued_at"
     )[:BATCH]
     sent = 0
+    backlogs = Backlogs()
     for row in rows:
+        if not presumed_lost(row["enqueued_at"], now, row["lane_id"], backlogs):
+            continue
         if task_update(row["pk"], state=S.QUEUED, generation=row["generation"], enqueued_at=now):
             send_step("start", row["pk"], row["generation"], lane=row["lane_id"])
             sent += 1

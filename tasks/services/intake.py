@@ -221,7 +221,9 @@ def _accept(*, tenant: Tenant, request: SubmitRequest, actor: str, record: Idemp
         )
         if record is not None:
             IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, locked_at=None)
-        send_step_on_commit("precheck", task.pk, 0)
+        # Pre-checks run on the workers of the task's provisional lane: a batch flood's
+        # pre-checks never queue in front of an interactive task's.
+        send_step_on_commit("precheck", task.pk, 0, lane=lane.name)
     log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=lane.name, kind=request.kind, size=file.size)
     return task
 
@@ -279,7 +281,7 @@ def _uuid_or_none(value: str):
 
 # --- after acceptance: pre-check and routing ---------------------------------------------------
 def task_precheck_and_route(task_id: Any, generation: int) -> str:
-    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs in the control cluster."""
+    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's workers."""
     from tasks.services.execution import Lease
     from tasks.services.quarantine import file_precheck
 

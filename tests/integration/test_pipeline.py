@@ -5,7 +5,7 @@ from django_q.brokers import get_broker
 
 from tasks.models import Task, TaskEvent, VendorJob
 from tasks.poc import files
-from tasks.queueing import control_cluster, send_step
+from tasks.queueing import send_step
 from tests.conftest import wait_for
 from tests.support.flows import state, submit_file
 
@@ -47,8 +47,10 @@ def test_a_lost_dispatch_message_is_sent_again_and_the_task_still_runs(vendor, a
     stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
     try:
         task_id = submit_file(api, files.wav())
-        # The broker loses the message sent right after the commit.
-        get_broker(control_cluster()).purge_queue()
+        # The broker loses the pre-check message sent to the task's lane right after the commit.
+        broker = get_broker(Task.objects.get(pk=task_id).lane_id)
+        assert broker.queue_size() == 1
+        broker.purge_queue()
         assert state(task_id) == "ACCEPTED"
         stack.start_dispatcher()
         stack.start_all_clusters(workers=1)
@@ -56,6 +58,33 @@ def test_a_lost_dispatch_message_is_sent_again_and_the_task_still_runs(vendor, a
     finally:
         stack.stop_all()
     assert vendor.control.invariants()["billed_jobs"] == 1
+
+
+def test_a_message_waiting_behind_a_backlog_is_not_resent_but_a_lost_one_is(vendor, api):
+    """No workers: the lane's queue really holds the message, and the dispatcher must tell a
+    message waiting its turn from a lost one (or a backlog doubles itself with resends)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks.scheduling.dispatch import resend_cutoff, tick
+
+    task_id = submit_file(api, files.wav())
+    broker = get_broker(Task.objects.get(pk=task_id).lane_id)
+
+    def sent_before(moment):
+        Task.objects.filter(pk=task_id).update(due_at=moment, enqueued_at=moment)
+
+    sent_before(resend_cutoff(timezone.now()) - timedelta(seconds=1))
+    tick()
+    assert broker.queue_size() == 1, "still queued behind others: not lost, not resent"
+    broker.purge_queue()
+    tick()
+    assert broker.queue_size() == 1, "lost (the queue is empty): sent again"
+    # Under a backlog that never drains, a message is still presumed lost, only later.
+    sent_before(resend_cutoff(timezone.now(), busy=True) - timedelta(seconds=1))
+    tick()
+    assert broker.queue_size() == 2
 
 
 def test_duplicated_messages_run_nothing_twice(system, vendor, api):
@@ -66,7 +95,7 @@ def test_duplicated_messages_run_nothing_twice(system, vendor, api):
     requests_before = len(vendor.control.journal())
     for step in ("precheck", "start", "poll", "reconcile", "cancel"):
         for generation in range(task.generation + 1):
-            send_step(step, task.pk, generation, lane=None if step == "precheck" else task.lane_id)
+            send_step(step, task.pk, generation, lane=task.lane_id)
     import time
 
     time.sleep(2)

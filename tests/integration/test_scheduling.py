@@ -148,6 +148,22 @@ def test_a_flood_from_one_tenant_does_not_starve_a_trickle_from_another(inline_q
         run_until(task_id, timeout=60)
 
 
+def test_batch_never_takes_the_upload_slots_kept_for_interactive(api, vendor):
+    """No workers run here, so dispatched tasks keep their slots: admission alone is observed."""
+    VendorChannel.objects.filter(name="primary").update(max_inflight_jobs=50, max_concurrent_uploads=4,
+                                                        reserved_for_interactive=2)
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    Lane.objects.filter(pk__in=["batch", "interactive"]).update(max_running=50)
+    batch = [route(submit_file(api, priority="batch")).pk for _ in range(5)]
+    tick()
+    assert Task.objects.filter(pk__in=batch, dispatched_at__isnull=False).count() == 2, "4 upload slots, 2 kept"
+    waiting = Task.objects.filter(pk__in=batch, dispatched_at__isnull=True).first()
+    assert waiting_reason(waiting) == "vendor_budget"
+    interactive = [route(submit_file(api)).pk for _ in range(2)]
+    tick()
+    assert Task.objects.filter(pk__in=interactive, dispatched_at__isnull=False).count() == 2
+
+
 # --- deadlines ------------------------------------------------------------------------------------------
 def test_a_task_past_its_queue_deadline_expires_instead_of_starting_late(api, vendor):
     Lane.objects.filter(pk="interactive").update(max_running=0)
