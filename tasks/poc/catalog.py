@@ -161,7 +161,10 @@ SCENARIOS: list[Scenario] = [
         ],
         tenants={"alpha": {"max_running": 3}, "beta": {"lane_weights": {"batch": 2}}, "gamma": {}},
         vendor_channels={"primary": {"processing_ms": 3000}},
-        channels={"primary": {"max_inflight_jobs": 8, "max_concurrent_uploads": 3, "reserved_for_interactive": 2},
+        # Half of the vendor's job and upload slots are kept for the interactive lane (the most
+        # reserved_for_interactive can keep): what an operator sets when interactive work must
+        # not wait behind a batch backlog.
+        channels={"primary": {"max_inflight_jobs": 8, "max_concurrent_uploads": 4, "reserved_for_interactive": 4},
                   "fallback": {"enabled": False}},
         lanes={"batch": {"max_running": 4}, "interactive": {"max_running": 4}, "heavy": {"max_running": 1}},
         lanes_started=("interactive", "batch", "heavy"),

@@ -365,7 +365,11 @@ def tenant_running_within_quota(ev: Evidence, tenant: str, limit: int) -> Result
 
 
 def fair_share(ev: Evidence, *, lane: str, weights: dict[str, float], tolerance: float) -> Result:
-    """While every weighted tenant had work waiting in the lane, starts followed the weights."""
+    """While every weighted tenant had work waiting in the lane, admissions followed the weights.
+
+    An admission is the moment the dispatcher gave the task a slot (its `dispatched_at`, for tasks
+    with one attempt; otherwise its first start), and a tenant was waiting while it had a task
+    queued and not yet admitted."""
     starts: list[tuple[float, str]] = []
     queued: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for accepted in ev.ctx.accepted:
@@ -375,6 +379,8 @@ def fair_share(ev: Evidence, *, lane: str, weights: dict[str, float], tolerance:
         events = ev.events[accepted.id]
         q = next((e.at.timestamp() for e in events if e.to_state == State.QUEUED), None)
         r = next((e.at.timestamp() for e in events if e.to_state == State.RUNNING), None)
+        if task.attempts == 1 and task.dispatched_at is not None:
+            r = task.dispatched_at.timestamp()
         if q and r:
             starts.append((r, accepted.tenant))
             queued[accepted.tenant].append((q, r))
