@@ -12,10 +12,10 @@ import uuid
 from pathlib import Path
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from tasks.bench.suite import TARGETS, run_child, verdicts
+from tasks.bench.suite import SECTIONS, TARGETS, run_child, verdicts
 from tasks.scratch import MANAGE, Scratch
 
 SETUPS = {
@@ -40,16 +40,21 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--quick", action="store_true", help="Smaller sizes (256 MiB upload, 1,000-task flood).")
         parser.add_argument("--setup", choices=[*SETUPS, "all"], default="all")
+        parser.add_argument("--only", default="", help=f"Comma-separated sections to run (of {', '.join(SECTIONS)}); default all.")
         parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "bench" / "results" / "latest.json"))
         parser.add_argument("--_child", dest="child_out", default=None, help="(internal)")
 
-    def handle(self, *args, quick: bool, setup: str, out: str, child_out: str | None, **options):
+    def handle(self, *args, quick: bool, setup: str, out: str, only: str, child_out: str | None, **options):
+        sections = {s.strip() for s in only.split(",") if s.strip()}
+        unknown = sections - set(SECTIONS)
+        if unknown:
+            raise CommandError(f"Unknown section(s): {', '.join(sorted(unknown))}. Sections: {', '.join(SECTIONS)}.")
         if child_out:
-            run_child(Path(child_out).parent, quick=quick, out=Path(child_out))
+            run_child(Path(child_out).parent, quick=quick, out=Path(child_out), only=sections or None)
             return
-        self.run_setups(quick=quick, setup=setup, out=out)
+        self.run_setups(quick=quick, setup=setup, out=out, only=only)
 
-    def run_setups(self, *, quick: bool, setup: str, out: str) -> None:
+    def run_setups(self, *, quick: bool, setup: str, out: str, only: str = "") -> None:
         chosen = list(SETUPS) if setup == "all" else [setup]
         results = {}
         for name in chosen:
@@ -58,7 +63,7 @@ class Command(BaseCommand):
                 self.stderr.write(f"{name}: PostgreSQL or Redis not reachable on 127.0.0.1; skipped")
                 continue
             self.stderr.write(f"== {name}")
-            results[name] = self._setup(name, env, quick=quick)
+            results[name] = self._setup(name, env, quick=quick, only=only)
         document = {
             "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
             "at": timezone.now().isoformat(),
@@ -73,7 +78,7 @@ class Command(BaseCommand):
         self._table(document)
         self.stdout.write(f"\nwritten: {path}")
 
-    def _setup(self, name: str, env: dict[str, str], *, quick: bool) -> dict:
+    def _setup(self, name: str, env: dict[str, str], *, quick: bool, only: str = "") -> dict:
         previous = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -87,6 +92,8 @@ class Command(BaseCommand):
             child_env["SLUICE_LOG_STDERR"] = "0"
             out = workdir / "figures.json"
             command = [sys.executable, MANAGE, "bench", "--_child", str(out)] + (["--quick"] if quick else [])
+            if only:
+                command += ["--only", only]
             try:
                 subprocess.run(command, env=child_env, check=False)
             finally:
