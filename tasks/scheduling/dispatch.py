@@ -66,6 +66,8 @@ def presumed_lost(enqueued_at: datetime | None, now: datetime, lane: str | None,
     if enqueued_at is None or enqueued_at >= resend_cutoff(now):
         return False
     return enqueued_at < resend_cutoff(now, busy=True) or not backlogs.busy(lane)
+
+
 _LOCK_KEY = 0x51_1CE
 
 

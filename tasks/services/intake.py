@@ -200,25 +200,16 @@ def _accept(*, tenant: Tenant, request: SubmitRequest, actor: str, record: Idemp
     lane_name = ROUTING.lane_for(priority=request.priority, size=file.size, findings=findings)
     units = _estimated_units(request.kind, findings)
     now = timezone.now()
-    deadline_s = request.deadline_s or DEFAULT_DEADLINE_S
     with transaction.atomic():
         # Serialise admission per tenant and lane, so quotas and backlog limits hold exactly.
         Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
         lane = Lane.objects.select_for_update().get(pk=lane_name)
         quota_check_submission(tenant, size=file.size, units=units)
         deferred = _admit(lane, priority=request.priority)
-        task = Task.objects.create(
-            tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
-            priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
-            deadline_at=now + timescale.delta(deadline_s),
-            queue_deadline_at=now + timescale.delta(lane.queue_deadline_s),
-            estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,
-        )
-        TaskEvent.objects.create(
-            task=task, from_state="", to_state=State.ACCEPTED, generation=0, actor=actor[:100],
-            reason="accepted" + (" (deferred: lane full)" if deferred else ""),
-            data={"lane": lane.name, "priority": request.priority},
-        )
+        task, event = accepted_rows(tenant=tenant, file=file, request=request, lane=lane, units=units, deferred=deferred,
+                                    key=key, actor=actor, now=now)
+        task.save(force_insert=True)
+        event.save(force_insert=True)
         if record is not None:
             IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, locked_at=None)
         # Pre-checks run on the workers of the task's provisional lane: a batch flood's
@@ -226,6 +217,25 @@ def _accept(*, tenant: Tenant, request: SubmitRequest, actor: str, record: Idemp
         send_step_on_commit("precheck", task.pk, 0, lane=lane.name)
     log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=lane.name, kind=request.kind, size=file.size)
     return task
+
+
+def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, lane: Lane, units: int | None,
+                  deferred: bool, key: str | None, actor: str, now) -> tuple[Task, TaskEvent]:
+    """The (unsaved) rows an accepted task starts as: the task in ACCEPTED and its first event."""
+    deadline_s = request.deadline_s or DEFAULT_DEADLINE_S
+    task = Task(
+        tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
+        priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
+        deadline_at=now + timescale.delta(deadline_s),
+        queue_deadline_at=now + timescale.delta(lane.queue_deadline_s),
+        estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,
+    )
+    event = TaskEvent(
+        task=task, from_state="", to_state=State.ACCEPTED, generation=0, actor=actor[:100],
+        reason="accepted" + (" (deferred: lane full)" if deferred else ""),
+        data={"lane": lane.name, "priority": request.priority},
+    )
+    return task, event
 
 
 def _admit(lane: Lane, *, priority: str) -> bool:
