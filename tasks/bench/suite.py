@@ -167,7 +167,9 @@ class Bench:
         """Median seconds a task spent between its states: where the pipeline's time goes."""
         spans: dict[str, list[float]] = {}
         for task_id in ids:
-            events = list(TaskEvent.objects.filter(task_id=task_id).order_by("at", "id").values_list("to_state", "at"))
+            # Transitions only (an event without a target state is a note, e.g. a fallback).
+            events = list(TaskEvent.objects.filter(task_id=task_id).exclude(to_state="").order_by("at", "id")
+                          .values_list("to_state", "at"))
             for (state, at), (_, later) in zip(events, events[1:], strict=False):
                 spans.setdefault(state, []).append((later - at).total_seconds())
         return {state: round(statistics.median(values), 3) for state, values in spans.items()}
