@@ -63,21 +63,32 @@ def test_breaking_reconciliation_on_purpose_fails_the_matching_scenario_and_says
 
 def test_ctrl_c_stops_everything_the_run_started():
     before = set(Path(settings.DATA_DIR, "poc").glob("*")) if Path(settings.DATA_DIR, "poc").exists() else set()
-    # At time scale 1 the vendor's jobs take five real minutes: the run is surely still going when interrupted.
+    # At time scale 1 the vendor's jobs take five real minutes: the run is surely still going when
+    # interrupted. SIGINT is given its default disposition, as in a terminal's foreground job (a
+    # shell's background job, e.g. a CI step run with `&`, starts with it ignored).
     process = subprocess.Popen([*MANAGE, "run", "poll-storm", "--tasks", "6", "--time-scale", "1"], cwd=settings.BASE_DIR,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids: list[int] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(pids) < 4:
-        runs = set(Path(settings.DATA_DIR, "poc").glob("*")) - before
-        pids = [int(p) for run_dir in runs for f in run_dir.glob("*/logs/pids.txt") for p in f.read_text().split()]
-        time.sleep(0.2)
-    assert len(pids) >= 4, "the run never started its processes"
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-    assert process.wait(timeout=60) == 130
-    time.sleep(0.5)
-    alive = [pid for pid in pids if _running(pid)]
-    assert alive == [], f"processes left behind: {[(p, _describe(p)) for p in alive]}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(pids) < 4:
+            runs = set(Path(settings.DATA_DIR, "poc").glob("*")) - before
+            pids = [int(p) for run_dir in runs for f in run_dir.glob("*/logs/pids.txt") for p in f.read_text().split()]
+            time.sleep(0.2)
+        assert len(pids) >= 4, "the run never started its processes"
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert process.wait(timeout=60) == 130
+        time.sleep(0.5)
+        alive = [pid for pid in pids if _running(pid)]
+        assert alive == [], f"processes left behind: {[(p, _describe(p)) for p in alive]}"
+    finally:
+        # Whatever the outcome, nothing of this run outlives the test.
+        for group in [process.pid, *pids]:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _running(pid: int) -> bool:
