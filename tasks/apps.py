@@ -8,7 +8,11 @@ class TasksConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from tasks import q2pool
+
         post_migrate.connect(_ensure_defaults, sender=self)
+        # Before any qcluster spawns a worker: an idle worker's death must not stop its lane.
+        q2pool.install()
 
 
 def _ensure_defaults(sender, **kwargs) -> None:

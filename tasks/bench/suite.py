@@ -186,7 +186,9 @@ class Bench:
         broker.purge_queue()
         for index in range(count):
             async_task("tasks.bench.reference.noop", index, cluster=control_cluster(), broker=broker)
-        self.stack.start_cluster(None, workers=WORKERS)
+        # Stock django-q2 workers (tasks/q2pool.py is Sluice's): the reference is django-q2 alone.
+        self.stack.manage("cluster-control", "qcluster",
+                          extra_env={"SLUICE_CONTROL_WORKERS": str(WORKERS), "SLUICE_Q2_STOCK_WORKERS": "1"})
         while broker.queue_size() == count:  # wait for the first pull
             time.sleep(0.005)
         started = time.monotonic()

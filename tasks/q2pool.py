@@ -1,0 +1,59 @@
+"""django-q2's worker pool, hardened against losing an idle worker.
+
+A django-q2 worker waits for work in `multiprocessing.Queue.get()`, which blocks while holding the
+queue's cross-process read lock. A worker killed while it waits (the OOM killer, a `kill -9`)
+dies holding that lock, and every other worker of the cluster, the reincarnated ones included,
+then waits for it forever: the lane silently stops (django-q2 issue #23). Sluice's workers wait
+for the queue's pipe to become readable without the lock, then take a message without blocking,
+so the lock is held only for the instant a message is taken.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from typing import Any
+
+IDLE_WAIT_S = 1.0
+
+
+class NonBlockingReads:
+    """A worker's view of its cluster's task queue that never waits while holding the read lock."""
+
+    def __init__(self, task_queue: Any) -> None:
+        self._queue = task_queue
+
+    def get(self) -> Any:
+        # Readable pipe: wakes as soon as a message arrives, holding nothing (several idle
+        # workers may wake; one takes the message, the others wait again).
+        readable = getattr(self._queue, "_poll", None)
+        while True:
+            try:
+                return self._queue.get(block=False)
+            except queue.Empty:
+                if readable is not None:
+                    readable(IDLE_WAIT_S)
+                else:
+                    time.sleep(0.02)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def worker(task_queue: Any, *args: Any, **kwargs: Any) -> None:
+    from django_q.worker import worker as q2_worker
+
+    q2_worker(NonBlockingReads(task_queue), *args, **kwargs)
+
+
+def install() -> None:
+    """Have django-q2's sentinel spawn (and recognise) Sluice's worker. Idempotent.
+
+    SLUICE_Q2_STOCK_WORKERS=1 keeps django-q2's own worker: the benchmark's "raw django-q2"
+    reference runs stock django-q2, nothing of Sluice's."""
+    if os.environ.get("SLUICE_Q2_STOCK_WORKERS") == "1":
+        return
+    import django_q.cluster
+
+    django_q.cluster.worker = worker

@@ -1,0 +1,49 @@
+"""A lane's cluster keeps working when its idle workers are killed (an OOM kill, a kill -9).
+
+A django-q2 worker waiting for work blocks inside the task queue's cross-process read lock; killed
+there, it died holding the lock and every other worker of the cluster waited forever, reincarnated
+ones included (django-q2 issue #23). Sluice's workers wait without holding it (tasks/q2pool.py).
+Real processes: a lane's qcluster, its workers, SIGKILL."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.queueing import send
+from tests.conftest import TEST_TIME_SCALE, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def run_probe(directory: Path, name: str, *, hold_s: float = 0.0) -> None:
+    send("tests.support.probe.note_pid", str(directory), name, hold_s, cluster="interactive")
+
+
+def test_a_lane_keeps_taking_work_after_its_idle_workers_are_killed(tmp_path):
+    from tasks.system import Stack
+
+    seen = tmp_path / "pids"
+    seen.mkdir()
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE)})
+    try:
+        stack.start_cluster("interactive", workers=2)
+        # Two probes held long enough to occupy both workers: their pids are the pool.
+        run_probe(seen, "a", hold_s=1.0)
+        run_probe(seen, "b", hold_s=1.0)
+        wait_for(lambda: len(list(seen.glob("*.pid"))) == 2, timeout=60, message="both workers to run a probe")
+        workers = {int(p.read_text()) for p in seen.glob("*.pid")}
+        assert len(workers) == 2, workers
+        time.sleep(1.0)  # both idle again, waiting for work
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(2.0)  # the cluster's guard notices and starts new workers
+
+        run_probe(seen, "after")
+        wait_for(lambda: (seen / "after.pid").exists(), timeout=30,
+                 message="a worker of the cluster to take work after its idle workers were killed")
+        assert int((seen / "after.pid").read_text()) not in workers
+    finally:
+        stack.stop_all()
