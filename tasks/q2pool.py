@@ -47,8 +47,15 @@ def worker(task_queue: Any, *args: Any, **kwargs: Any) -> None:
     q2_worker(NonBlockingReads(task_queue), *args, **kwargs)
 
 
+def monitor(result_queue: Any, *args: Any, **kwargs: Any) -> None:
+    """The cluster's monitor reads the result queue the same way (it too is reincarnated if killed)."""
+    from django_q.monitor import monitor as q2_monitor
+
+    q2_monitor(NonBlockingReads(result_queue), *args, **kwargs)
+
+
 def install() -> None:
-    """Have django-q2's sentinel spawn (and recognise) Sluice's worker. Idempotent.
+    """Have django-q2's sentinel spawn (and recognise) Sluice's worker and monitor. Idempotent.
 
     SLUICE_Q2_STOCK_WORKERS=1 keeps django-q2's own worker: the benchmark's "raw django-q2"
     reference runs stock django-q2, nothing of Sluice's."""
@@ -57,3 +64,4 @@ def install() -> None:
     import django_q.cluster
 
     django_q.cluster.worker = worker
+    django_q.cluster.monitor = monitor
