@@ -110,6 +110,10 @@ else:
 LANES = ("interactive", "batch", "heavy", "unknown-risk")
 LANE_WORKERS = {"interactive": 2, "batch": 1, "heavy": 1, "unknown-risk": 1}
 LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
+# CPU priority of each lane's cluster (Unix nice increments): on a shared host the best-effort
+# lanes yield the processor to interactive work instead of competing with it as equals.
+LANE_NICE = {"interactive": 0, "batch": 5, "heavy": 10, "unknown-risk": 10}
+LANE_NICE.update(env("SLUICE_LANE_NICE", {}, cast=parse_mapping))
 # The django-q2 timeout of a lane bounds one message: a step (an upload at most), or a pre-check
 # and the start that may follow it at once. The broker's retry must exceed it.
 LANE_STEP_TIMEOUT_S = {"interactive": 600, "batch": 1800, "heavy": 7200, "unknown-risk": 1800}

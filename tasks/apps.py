@@ -11,8 +11,10 @@ class TasksConfig(AppConfig):
         from tasks import q2pool
 
         post_migrate.connect(_ensure_defaults, sender=self)
-        # Before any qcluster spawns a worker: an idle worker's death must not stop its lane.
+        # Before any qcluster spawns a worker: an idle worker's death must not stop its lane,
+        # and a best-effort lane's cluster yields the CPU to interactive work.
         q2pool.install()
+        q2pool.lane_priority()
 
 
 def _ensure_defaults(sender, **kwargs) -> None:

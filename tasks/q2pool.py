@@ -54,6 +54,17 @@ def monitor(result_queue: Any, *args: Any, **kwargs: Any) -> None:
     q2_monitor(NonBlockingReads(result_queue), *args, **kwargs)
 
 
+def lane_priority() -> None:
+    """A lane's cluster runs at its lane's CPU priority (settings.LANE_NICE); its sentinel,
+    pusher, monitor and workers inherit it."""
+    from django.conf import settings
+
+    lane = os.environ.get("Q_CLUSTER_NAME")
+    increment = settings.LANE_NICE.get(lane, 0) if lane else 0
+    if increment > 0:
+        os.nice(increment)
+
+
 def install() -> None:
     """Have django-q2's sentinel spawn (and recognise) Sluice's worker and monitor. Idempotent.
 

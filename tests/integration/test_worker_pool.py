@@ -72,3 +72,20 @@ def _children(pid: int) -> set[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.add(int(stat.parent.name))
     return found
+
+
+@pytest.mark.parametrize("lane,expected", [("interactive", 0), ("batch", 5), ("heavy", 10)])
+def test_a_lane_cluster_runs_at_its_lanes_cpu_priority(lane, expected):
+    """Best-effort lanes' processes yield the CPU to interactive work (settings.LANE_NICE)."""
+    import subprocess
+    import sys
+
+    from django.conf import settings
+
+    probe = "import os; print(os.nice(0))"
+    env = {**os.environ, "Q_CLUSTER_NAME": lane}
+    own = os.nice(0)
+    done = subprocess.run([sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "shell", "-c", probe],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=settings.BASE_DIR)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.strip().splitlines()[-1]) == min(own + expected, 19)
