@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 IDLE_WAIT_S = 1.0
+CONTENDED_PAUSE_S = 0.005
 
 
 class NonBlockingReads:
@@ -25,17 +26,18 @@ class NonBlockingReads:
         self._queue = task_queue
 
     def get(self) -> Any:
-        # Readable pipe: wakes as soon as a message arrives, holding nothing (several idle
-        # workers may wake; one takes the message, the others wait again).
+        # Wait for the pipe to be readable, holding nothing: it wakes as soon as a message arrives.
+        # Several idle workers may wake; one takes the message. One that finds a message but not
+        # the lock (another reader is taking it) pauses briefly instead of spinning.
         readable = getattr(self._queue, "_poll", None)
+        pending = False
         while True:
             try:
                 return self._queue.get(block=False)
             except queue.Empty:
-                if readable is not None:
-                    readable(IDLE_WAIT_S)
-                else:
-                    time.sleep(0.02)
+                if pending or readable is None:
+                    time.sleep(CONTENDED_PAUSE_S)
+                pending = readable is not None and readable(IDLE_WAIT_S)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)

@@ -28,3 +28,28 @@ def test_stop_still_ends_the_worker_loop():
         task_queue.put(item)
     time.sleep(0.1)  # the queue's feeder thread writes to the pipe
     assert list(iter(NonBlockingReads(task_queue).get, "STOP")) == ["one", "two"]
+
+
+def test_a_message_it_cannot_take_yet_does_not_make_it_spin():
+    """Another reader holds the lock (or died holding it): the waiter pauses between tries."""
+    task_queue = Queue()
+    task_queue.put("a message")
+    time.sleep(0.1)
+    tries = []
+
+    class Counting:
+        _poll = task_queue._poll
+
+        def get(self, block=True):
+            tries.append(1)
+            return task_queue.get(block=block)
+
+    assert task_queue._rlock.acquire(False)  # held by "another reader"
+    taken: list = []
+    waiter = threading.Thread(target=lambda: taken.append(NonBlockingReads(Counting()).get()), daemon=True)
+    waiter.start()
+    time.sleep(0.5)
+    assert taken == [] and len(tries) < 500, len(tries)
+    task_queue._rlock.release()
+    waiter.join(timeout=5)
+    assert taken == ["a message"]
