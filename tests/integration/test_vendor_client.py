@@ -228,7 +228,13 @@ def test_polls_start_slow_and_back_off(inline_queue, api):
     polls = journal_for(inline_queue, "GET /v1/jobs/*")
     gaps = [b["ts"] - a["ts"] for a, b in zip(polls, polls[1:])]
     assert task.state == "SUCCEEDED"
-    assert all(later >= earlier * 1.5 for earlier, later in zip(gaps, gaps[1:]) if later < 60 * TEST_TIME_SCALE * 0.9)
+    # Doubling with upward jitter: each gap at least 1.6 × the one before on schedule. Measured at
+    # the vendor, a gap also holds the test loop's own latency (up to a tick, more on a loaded
+    # machine), which is allowed for before comparing.
+    slack = 0.1
+    growing = [(earlier, later) for earlier, later in zip(gaps, gaps[1:]) if later < 60 * TEST_TIME_SCALE * 0.9]
+    assert growing and all(later >= (earlier - slack) * 1.5 for earlier, later in growing), gaps
+    assert gaps[-1] >= 4 * gaps[0], gaps
     assert len(polls) <= 8, f"{len(polls)} polls for a one-minute job"
 
 
