@@ -64,6 +64,27 @@ class VendorControl:
     def invariants(self) -> dict[str, Any]:
         return self._call("GET", "/__admin/invariants")
 
+    def amnesia(self) -> dict[str, Any]:
+        """The vendor forgets every upload, job and idempotency key (as after a restart); the
+        ledger of what it billed stays."""
+        return self._call("POST", "/__admin/amnesia")
+
+    def ledger(self) -> list[dict[str, Any]]:
+        """Every billed job of every channel, in billing order."""
+        return self._call("GET", "/__admin/ledger")["data"]
+
+    def create_job(self, *, channel: str, client_ref: str, api_key: str, kind: str = "transcription",
+                   target_format: str = "txt", content: bytes = b"RIFF") -> dict[str, Any]:
+        """Create (and so bill) a job through the vendor API itself, as a client would."""
+        prefix = "" if channel == "default" else f"/{channel}"
+        headers = {"Authorization": f"Bearer {api_key}"}
+        response = httpx.post(f"{self.base}{prefix}/v1/jobs", content=content, timeout=10, trust_env=False,
+                              params={"kind": kind, "target_format": target_format, "client_ref": client_ref},
+                              headers={**headers, "Content-Type": "application/octet-stream"})
+        if response.status_code >= 400:
+            raise ControlError(response.status_code, response.json())
+        return response.json()
+
     def channel(self, name: str, **values: Any) -> dict[str, Any]:
         if values:
             return self._call("PUT", f"/__admin/channels/{name}", json=values)

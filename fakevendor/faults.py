@@ -7,9 +7,10 @@ explicit `sequence` of fault types (or "ok") replaces `type` for successive matc
 
 Types fall in three families; a request gets at most one rule of each family:
 - wire: what happens on the socket (delay, stall, dribble, bandwidth, http_error, rate_limit,
-  reset, close, garbage, goaway, response_lost);
-- create: how a job create behaves (ignore_idempotency, duplicate_create);
-- job: what the created job does later (job_fail, stuck, digest_mismatch, transient_404).
+  reset, close, garbage, goaway, response_lost, redirect, malformed);
+- create: how a job create behaves (ignore_idempotency, duplicate_create, duplicate_on_create);
+- job: what the created job does later (job_fail, stuck, digest_mismatch, input_digest_mismatch,
+  transient_404).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "goaway",
-        "response_lost")
-CREATE = ("ignore_idempotency", "duplicate_create")
-JOB = ("job_fail", "stuck", "digest_mismatch", "transient_404")
+        "response_lost", "redirect", "malformed")
+CREATE = ("ignore_idempotency", "duplicate_create", "duplicate_on_create")
+JOB = ("job_fail", "stuck", "digest_mismatch", "input_digest_mismatch", "transient_404")
+MALFORMED_BODIES = ("not_json", "truncated_json", "missing_fields", "wrong_types", "empty")
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 TYPES = WIRE + CREATE + JOB
 FAMILY = {**{t: "wire" for t in WIRE}, **{t: "create" for t in CREATE}, **{t: "job" for t in JOB}}
 METHODS = ("GET", "POST", "PUT", "DELETE", "*")
@@ -107,6 +110,21 @@ def validate_params(kind: str, params: dict[str, Any]) -> None:
         _number(params, "error_code", integer=True)
     elif kind == "duplicate_create":
         _number(params, "copies", required=True, minimum=2, integer=True)
+    elif kind == "duplicate_on_create":
+        _number(params, "copies", minimum=2, integer=True)
+    elif kind == "redirect":
+        status = params.get("status", 302)
+        if status not in REDIRECT_STATUSES:
+            raise RuleError("params.status", f"must be one of {', '.join(map(str, REDIRECT_STATUSES))}")
+        if "location" in params and not isinstance(params["location"], str):
+            raise RuleError("params.location", "must be a string")
+    elif kind == "malformed":
+        if params.get("body", "not_json") not in MALFORMED_BODIES:
+            raise RuleError("params.body", f"must be one of {', '.join(MALFORMED_BODIES)}")
+        if "status" in params:
+            _number(params, "status", integer=True, minimum=200)
+            if params["status"] > 299:
+                raise RuleError("params.status", "must be 200-299 (a malformed success)")
     elif kind == "job_fail":
         if "code" in params and not isinstance(params["code"], str):
             raise RuleError("params.code", "must be a string")

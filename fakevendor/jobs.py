@@ -77,7 +77,9 @@ def job_view(job: dict[str, Any], now: float) -> dict[str, Any]:
         "kind": job["kind"],
         "target_format": job["target_format"],
         "client_ref": job["client_ref"],
-        "input": {"size": job["input_size"], "sha256": job["input_sha256"]},
+        # A vendor that processed another input than it was sent (input_digest_mismatch) says so here.
+        "input": {"size": job["input_size"],
+                  "sha256": _flip(job["input_sha256"]) if job.get("input_digest_mismatch") else job["input_sha256"]},
         "created_at": rfc3339(job["created_at"]),
         "started_at": rfc3339(job["start_at"]) if status != "queued" else None,
         "completed_at": rfc3339(job["end_at"]) if status in ("completed", "failed") else (

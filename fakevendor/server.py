@@ -344,10 +344,14 @@ class FakeVendor:
             channel, route = segments[0], segments[1:]
         else:
             channel, route = "default", segments
-        return Request(
+        request = Request(
             method=method, target=target, path=split.path, segments=segments,
             query=query, headers=headers, channel=channel, route=route,
         )
+        if len(route) >= 3 and route[:2] == ["v1", "jobs"]:
+            # Known before any fault acts, so the journal ties even a refused read to its job.
+            request.job_id = route[2]
+        return request
 
     async def _handle(self, conn: Wire, request: Request) -> None:
         if request.route[:1] == ["__admin"]:
@@ -426,6 +430,13 @@ class FakeVendor:
             reset_after = int(wire.params["after_bytes"])
         answer = await self._route(conn, request, channel, facts, bandwidth=bandwidth, reset_after=reset_after)
         status, headers, body = answer
+        if wire and wire.type == "malformed":
+            # Processed (a create is billed), then answered with a success nobody can read.
+            good = status if 200 <= status < 300 else 200
+            code = int(wire.params.get("status", good))
+            garbled = _malformed_body(wire.params.get("body", "not_json"), body)
+            await conn.respond(code, self._headers(request.channel, channel, [("Content-Type", "application/json")]), garbled)
+            return code, f"malformed:{wire.params.get('body', 'not_json')}"
         if wire and wire.type == "response_lost":
             mode = wire.params.get("mode", "reset")
             if mode == "reset":
@@ -481,6 +492,13 @@ class FakeVendor:
                 conn, request, retry_after_s=seconds, status=status, as_date=bool(params.get("retry_after_date"))
             )
             return status, "rate_limited"
+        if kind == "redirect":
+            # Not processed: a vendor (or a proxy in front of it) pointing elsewhere.
+            await self._discard_body(conn, request)
+            status = int(params.get("status", 302))
+            location = params.get("location") or f"http://127.0.0.1:1{request.path}"
+            await conn.respond(status, self._headers(request.channel, channel, [("Location", location)]), b"")
+            return status, "redirect"
         if kind == "close":
             await self._discard_body(conn, request)
             conn.close()
@@ -644,7 +662,10 @@ class FakeVendor:
             request.rule_id, request.draw = create.rule_id, create.draw
         create = create if create is not None and create.applied else None
         ignore_keys = create is not None and create.type == "ignore_idempotency"
-        copies = int(create.params["copies"]) if create is not None and create.type == "duplicate_create" else 1
+        copies = 1
+        if create is not None and create.type in ("duplicate_create", "duplicate_on_create"):
+            # One request, several billed jobs: a vendor bug (unlike ignore_idempotency, no resend needed).
+            copies = int(create.params.get("copies", 2))
         inline = not request.headers.get("content-type", "").startswith("application/json")
         existing = None
         if key and not ignore_keys:
@@ -766,7 +787,8 @@ class FakeVendor:
             "client_ref": fields["client_ref"], "idempotency_key": key or "", "options": json.dumps(options, sort_keys=True),
             "input_size": size, "input_sha256": sha, "input_path": str(input_path), "callback_url": fields["callback_url"],
             "created_at": now, "start_at": start, "end_at": start + duration, "canceled_at": None,
-            "fail_code": None, "fail_retryable": 0, "digest_mismatch": 0, "not_found_until": 0,
+            "fail_code": None, "fail_retryable": 0, "digest_mismatch": 0, "input_digest_mismatch": 0,
+            "not_found_until": 0,
         }
         if job_rule is not None:
             params = job_rule.params
@@ -777,6 +799,8 @@ class FakeVendor:
                 job["end_at"] += self.scaled(params["ms"])
             elif job_rule.type == "digest_mismatch":
                 job["digest_mismatch"] = 1
+            elif job_rule.type == "input_digest_mismatch":
+                job["input_digest_mismatch"] = 1
             elif job_rule.type == "transient_404":
                 job["not_found_until"] = now + self.scaled(params["ms"])
         units, unit = J.billing_units(fields["kind"], input_path, size)
@@ -997,6 +1021,16 @@ class FakeVendor:
                 self.uploads_max.clear()
                 self.buckets.clear()
             return 200, [("Content-Type", "application/json")], _json({"reset": what})
+        if route == ["amnesia"] and method == "POST":
+            forgotten = self.store.forget()
+            self.uploads_now.clear()
+            return 200, [("Content-Type", "application/json")], _json({"forgotten": forgotten})
+        if route == ["ledger"] and method == "GET":
+            rows = self.store.ledger()
+            data = [{**{k: r[k] for k in ("seq", "entry_id", "channel", "job_id", "client_ref", "idempotency_key",
+                                          "units", "unit", "amount_cents")}, "created_at": J.rfc3339(r["created_at"])}
+                    for r in rows]
+            return 200, [("Content-Type", "application/json")], _json({"data": data})
         if route == ["journal"] and method == "GET":
             return self._journal(request)
         if route == ["invariants"] and method == "GET":
@@ -1101,6 +1135,20 @@ def _delay_ms(params: dict[str, Any], rng: Any) -> float:
         return rng.uniform(params["lower_ms"], params["upper_ms"])
     value = rng.lognormvariate(math.log(max(params["median_ms"], 1e-3)), params["sigma"])
     return min(value, params.get("max_ms") or value)
+
+
+def _malformed_body(kind: str, good: bytes | Path) -> bytes:
+    """A 2xx body a client cannot use: not JSON, cut short, without the fields, or mistyped."""
+    if kind == "empty":
+        return b""
+    if kind == "truncated_json":
+        text = good.read_bytes() if isinstance(good, Path) else good
+        return text[: max(len(text) // 2, 1)]
+    if kind == "missing_fields":
+        return b'{"ok": true}'
+    if kind == "wrong_types":
+        return b'{"id": null, "status": 7, "upload_id": [], "data": "none", "client_ref": {}}'
+    return b"<html><body>502 upstream sent an unexpected answer</body></html>"
 
 
 def _json(data: Any) -> bytes:

@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     idempotency_key TEXT, options TEXT, input_size INTEGER, input_sha256 TEXT, input_path TEXT,
     callback_url TEXT, created_at REAL, start_at REAL, end_at REAL, canceled_at REAL,
     fail_code TEXT, fail_retryable INTEGER, digest_mismatch INTEGER DEFAULT 0,
-    not_found_until REAL DEFAULT 0, result_sha256 TEXT, result_size INTEGER,
+    input_digest_mismatch INTEGER DEFAULT 0, not_found_until REAL DEFAULT 0, result_sha256 TEXT, result_size INTEGER,
     result_content_type TEXT, fetched_at REAL, units REAL, unit TEXT, amount_cents INTEGER,
     callback_state TEXT DEFAULT '', callback_attempts INTEGER DEFAULT 0, callback_next_at REAL DEFAULT 0
 );
@@ -48,7 +48,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 JOB_COLUMNS = (
     "id", "channel", "kind", "target_format", "client_ref", "idempotency_key", "options", "input_size",
     "input_sha256", "input_path", "callback_url", "created_at", "start_at", "end_at", "canceled_at",
-    "fail_code", "fail_retryable", "digest_mismatch", "not_found_until", "result_sha256", "result_size",
+    "fail_code", "fail_retryable", "digest_mismatch", "input_digest_mismatch", "not_found_until", "result_sha256", "result_size",
     "result_content_type", "fetched_at", "units", "unit", "amount_cents", "callback_state",
     "callback_attempts", "callback_next_at",
 )
@@ -68,6 +68,9 @@ class Store:
         columns = {row["name"] for row in self.db.execute("PRAGMA table_info(journal)")}
         if "protocol" not in columns:  # a data dir from before HTTP/2
             self.db.execute("ALTER TABLE journal ADD COLUMN protocol TEXT")
+        job_columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
+        if "input_digest_mismatch" not in job_columns:
+            self.db.execute("ALTER TABLE jobs ADD COLUMN input_digest_mismatch INTEGER DEFAULT 0")
         self.db.commit()
         self._dirty = False
 
@@ -83,6 +86,22 @@ class Store:
         if self._dirty:
             self.db.commit()
             self._dirty = False
+
+    def forget(self) -> dict[str, int]:
+        """Amnesia, as after a restart of a vendor that kept its state in memory: every upload, job
+        and idempotency key is gone; the ledger (what was billed) and the journal stay."""
+        counts = {}
+        for table in ("uploads", "jobs", "idempotency"):
+            counts[table] = self.query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
+            self.execute(f"DELETE FROM {table}")
+        for folder in ("uploads", "results"):
+            for item in (self.dir / folder).iterdir():
+                item.unlink(missing_ok=True)
+        self.flush()
+        return counts
+
+    def ledger(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.query("SELECT * FROM ledger ORDER BY seq")]
 
     def reset(self, *, state: bool, journal: bool) -> None:
         if state:
