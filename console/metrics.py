@@ -37,7 +37,7 @@ class SluiceCollector:
                                   value=events.filter(reason__startswith="fallback:").count())
         duplicates = CounterMetricFamily("sluice_duplicate_incidents", "Duplicate billing incidents", labels=["channel"])
         for row in DuplicateIncident.objects.values("channel_id").annotate(n=Count("id")):
-            duplicates.add_metric([row["channel_id"]], row["n"])
+            duplicates.add_metric([row["channel_id"] or ""], row["n"])
         yield duplicates
         breaker = GaugeMetricFamily("sluice_breaker_state", "0 closed, 1 half-open, 2 open, 3 forced open, -1 disabled",
                                     labels=["channel"])

@@ -214,6 +214,9 @@ def build(site) -> list:
             if job is None and task is None:
                 row["orphans"] += 1
                 row["orphan_cents"] += entry.amount_cents
+            elif job is not None and job.status == "lost":
+                row["billed_lost"] += 1
+                row["billed_lost_cents"] += entry.amount_cents
             elif job is not None and job.status in ("failed", "canceled"):
                 row["billed_failed"] += 1
                 row["billed_failed_cents"] += entry.amount_cents
@@ -227,8 +230,11 @@ def build(site) -> list:
             for key, value in row.items():
                 if isinstance(value, int):
                     totals[key] += value
+        from tasks.models import ChannelHealth
+
+        syncs = ChannelHealth.objects.select_related("channel").order_by("channel_id")
         return render(request, site, "console/billing.html", "Billing reconciliation", table=table, totals=dict(totals),
-                      can_sync=request.user.has_perm("tasks.operate_channels"))
+                      can_sync=request.user.has_perm("tasks.operate_channels"), syncs=syncs)
 
     @require_POST
     def billing_sync(request):
@@ -238,7 +244,11 @@ def build(site) -> list:
             raise PermissionDenied("your role may not sync ledgers")
         result = billing_reconcile()
         audit(actor=request.user.get_username(), action="billing_reconcile", done=result["duplicates_reported"], detail=result)
-        messages.success(request, f"Ledgers synced: {result['ledger_entries']} new entries, {result['duplicates_reported']} duplicate(s) reported.")
+        for item in result["incomplete"]:
+            messages.warning(request, f"Ledger of {item['channel']} {item['summary']}.")
+        done = "Ledgers synced" if not result["incomplete"] else "Ledgers partly synced"
+        messages.success(request, f"{done}: {result['ledger_entries']} new entries, "
+                                  f"{result['duplicates_reported']} task(s) found billed more than once.")
         return HttpResponseRedirect(reverse("admin:billing"))
 
     def triage(request):

@@ -24,7 +24,9 @@ S = State
 # generation of) a step whose lease expired, so a zombie worker can no longer write.
 TRANSITIONS: dict[State, frozenset[State]] = {
     S.ACCEPTED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED, S.EXPIRED}),
-    S.QUEUED: frozenset({S.RUNNING, S.CANCELLED, S.EXPIRED, S.FAILED}),
+    # QUEUED → RETRY_WAIT parks work no channel can take (every vendor down): it waits durably
+    # for recovery instead of running out its queue deadline.
+    S.QUEUED: frozenset({S.RUNNING, S.CANCELLED, S.EXPIRED, S.FAILED, S.RETRY_WAIT}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.RETRY_WAIT, S.RECONCILING, S.FAILED, S.CANCEL_REQUESTED}),
     S.RETRY_WAIT: frozenset({S.QUEUED, S.CANCELLED, S.FAILED}),
     S.RECONCILING: frozenset({S.RUNNING, S.RETRY_WAIT, S.FAILED, S.CANCEL_REQUESTED, S.RECONCILING}),

@@ -199,6 +199,9 @@ class VendorChannel(models.Model):
     retry_cap_s = models.FloatField(default=60)
     retry_after_cap_s = models.FloatField(default=300)
     max_attempts = models.PositiveIntegerField(default=5, help_text="Attempts on this channel before falling back.")
+    reconcile_max_rounds = models.PositiveIntegerField(
+        default=8, help_text="Reconciliation tries without an answer before an operator is asked to look."
+    )
     audit_after_create = models.BooleanField(
         default=True, help_text="List the operation's jobs right after creating one, to catch duplicates early."
     )
@@ -245,6 +248,9 @@ class ChannelHealth(models.Model):
     retry_tokens = models.FloatField(default=100)
     retry_tokens_at = models.DateTimeField(null=True, blank=True)
     ledger_cursor = models.CharField(max_length=100, blank=True, help_text="Where the last usage-ledger sync stopped.")
+    ledger_sync_status = models.CharField(max_length=300, blank=True, help_text="How the last ledger sync ended.")
+    ledger_synced_at = models.DateTimeField(null=True, blank=True)
+    ledger_sync_due_at = models.DateTimeField(null=True, blank=True, help_text="An incomplete sync tries again then.")
     last_rate_limited_at = models.DateTimeField(null=True, blank=True)
     last_retry_after_s = models.FloatField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -330,6 +336,14 @@ class Task(models.Model):
     )
     channel_attempts = models.PositiveIntegerField(default=0)
     abandoned_channels = models.JSONField(default=list, blank=True)
+    reconcile_rounds = models.PositiveIntegerField(default=0, help_text="Reconciliation tries without an answer.")
+    fetch_attempts = models.PositiveIntegerField(default=0, help_text="Failed downloads of the current result.")
+    outage_since = models.DateTimeField(
+        null=True, blank=True, help_text="Every channel failed this task's operation since then (not processed)."
+    )
+    waiting_reason = models.CharField(
+        max_length=32, blank=True, help_text="Why a waiting task waits (RETRY_WAIT, RECONCILING); QUEUED is derived."
+    )
     poll_interval_s = models.FloatField(default=0)
     poll_deadline_at = models.DateTimeField(null=True, blank=True)
     last_retry_after_s = models.FloatField(null=True, blank=True)
@@ -445,7 +459,8 @@ class IdempotencyRecord(models.Model):
 class VendorJob(models.Model):
     """A job that exists (or existed) at a vendor on behalf of a task."""
 
-    TERMINAL = ("completed", "failed", "canceled")
+    # "lost": the vendor no longer knows the job (it forgot it); it was billed all the same.
+    TERMINAL = ("completed", "failed", "canceled", "lost")
 
     channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT, related_name="jobs")
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="vendor_jobs")
@@ -459,6 +474,8 @@ class VendorJob(models.Model):
     billing_unit = models.CharField(max_length=20, blank=True)
     amount_cents = models.IntegerField(null=True, blank=True)
     input_sha256 = models.CharField(max_length=64, blank=True)
+    result_sha256 = models.CharField(max_length=64, blank=True, help_text="As the vendor declared it on completion.")
+    result_size = models.BigIntegerField(null=True, blank=True)
     integrity_flag = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
@@ -519,18 +536,25 @@ class VendorCall(models.Model):
 
 
 class DuplicateIncident(models.Model):
-    """The vendor billed more than one job for one of our operations."""
+    """A task was billed for more than one vendor job, whatever the channels or client_refs.
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="duplicate_incidents")
-    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT)
-    client_ref = models.CharField(max_length=100)
-    kept_job_id = models.CharField(max_length=100)
+    One row per task. `kept_job_id` is the job whose result the task keeps (or its current one);
+    `jobs` lists every other billed job with its channel, client_ref, amount and why it exists.
+    """
+
+    task = models.OneToOneField(Task, on_delete=models.CASCADE, related_name="duplicate_incident")
+    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT, null=True, blank=True,
+                                help_text="The kept job's channel.")
+    client_ref = models.CharField(max_length=100, blank=True, help_text="The kept job's client_ref.")
+    kept_job_id = models.CharField(max_length=100, blank=True)
     duplicate_job_ids = models.JSONField(default=list)
     duplicate_amount_cents = models.IntegerField(default=0)
+    jobs = models.JSONField(default=list, help_text="[{channel, job_id, client_ref, amount_cents, cause}] of the extras.")
     created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:
-        return f"duplicate billing for {self.client_ref}"
+        return f"billed {len(self.duplicate_job_ids) + 1} times: task {self.task_id}"
 
 
 class LedgerEntry(models.Model):

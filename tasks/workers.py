@@ -20,6 +20,7 @@ def run_step(step: str, task_id: str, generation: int) -> str:
         "precheck": intake.task_precheck_and_route,
         "start": execution.step_start,
         "poll": execution.step_poll,
+        "fetch": execution.step_fetch,
         "reconcile": execution.step_reconcile,
         "cancel": execution.step_cancel,
     }
@@ -81,6 +82,13 @@ def run_probe(channel_name: str) -> str:
 
     close_old_connections()
     return step_probe(channel_name)
+
+
+def run_ledger_sync(channel_name: str) -> dict[str, Any]:
+    from tasks.services.billing import ledger_sync_due
+
+    close_old_connections()
+    return ledger_sync_due(channel_name)
 
 
 def run_sweep() -> dict[str, Any]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.filetypes import KINDS, TARGET_FORMATS
-from tasks.states import State
+from tasks.states import WAITING_REASONS, State
 
 ALL_TARGETS = sorted({t for targets in TARGET_FORMATS.values() for t in targets})
-WAITING = ["tenant_at_quota", "lane_full", "vendor_budget", "breaker_open", "fair_share", "lane_paused",
-           "retry_backoff", "precheck"]
+WAITING = list(WAITING_REASONS)
 
 
 def _problem(description: str, codes: list[str], *, retry_after: bool = False) -> dict[str, Any]:

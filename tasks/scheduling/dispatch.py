@@ -95,6 +95,7 @@ def tick(*, now: datetime | None = None) -> dict[str, int]:
         "steps_sent": send_due_steps(now),
         "starts_resent": resend_lost_starts(now),
         "probes": probe_open_breakers(now),
+        "ledger_syncs": send_due_ledger_syncs(now),
         "notifications": send_due_notifications(now),
         "vendor_jobs": clean_up_vendor_jobs(now),
     }
@@ -128,13 +129,14 @@ def enforce_business_deadlines(now: datetime) -> int:
     rows = list(
         Task.objects.filter(deadline_at__lt=now)
         .exclude(state__in=[*TERMINAL_STATES, S.CANCEL_REQUESTED])
-        .values("pk", "state", "generation", "vendor_job_id", "retries")[:BATCH]
+        .values("pk", "state", "generation", "vendor_job_id", "retries", "waiting_reason")[:BATCH]
     )
     for row in rows:
+        waiting = f" while waiting ({row['waiting_reason']})" if row["waiting_reason"] else ""
         moved = task_move(
             row["pk"], source=row["state"], target=S.FAILED, generation=row["generation"], actor=ACTOR,
-            reason="business deadline passed",
-            fields=dict(error_code="deadline_exceeded", error_message="the task's business deadline passed",
+            reason=f"business deadline passed{waiting}",
+            fields=dict(error_code="deadline_exceeded", error_message=f"the task's business deadline passed{waiting}",
                         error_retryable=True, lease_owner="", lease_expires_at=None),
             attempt_outcome=Attempt.Outcome.FENCED,
             dead_letter_class="deadline" if row["retries"] else None,
@@ -162,7 +164,7 @@ def watchdog(now: datetime) -> int:
         moved = task_move(
             row["pk"], source=row["state"], target=target, generation=row["generation"], actor="watchdog",
             reason=f"lease of {row['lease_owner'] or 'a worker'} expired: fenced; check the vendor before any retry",
-            fields=dict(lease_owner="", lease_expires_at=None, due_at=now, enqueued_at=None, phase="",
+            fields=dict(lease_owner="", lease_expires_at=None, due_at=now, enqueued_at=None, phase="", reconcile_rounds=0,
                         **({"error_code": "lease_expired"} if target == S.RECONCILING else {})),
             attempt_outcome=Attempt.Outcome.FENCED if row["state"] == S.RUNNING else None,
             data={"watchdog": seen},
@@ -178,7 +180,7 @@ def watchdog(now: datetime) -> int:
             row["pk"], source=S.RUNNING, target=S.RECONCILING, generation=row["generation"], actor="watchdog",
             reason="the attempt ran past its execution timeout: fenced; the vendor job will be checked and stopped",
             fields=dict(lease_owner="", lease_expires_at=None, due_at=now, enqueued_at=None, phase="",
-                        error_code="execution_timeout"),
+                        error_code="execution_timeout", reconcile_rounds=0),
             attempt_outcome=Attempt.Outcome.FENCED,
         )
         if moved:
@@ -198,7 +200,17 @@ def _kill_local_subprocess(attempt: Attempt | None) -> None:
 def promote_retries(now: datetime) -> int:
     promoted = 0
     rows = Task.objects.filter(state=S.RETRY_WAIT, due_at__lte=now).select_related("lane")[:BATCH]
+    down: dict[str, bool] = {}
     for task in rows:
+        if task.waiting_reason == "all_channels_down":
+            if task.kind not in down:
+                down[task.kind] = not any(r.available for r in channel_rooms().values()
+                                          if task.kind in (r.channel.kinds or []))
+            if down[task.kind]:
+                # Still no channel up: keep waiting here (its queue deadline has not started).
+                task_update(task.pk, state=S.RETRY_WAIT, generation=task.generation,
+                            due_at=now + timedelta(seconds=outage_recheck_s()))
+                continue
         moved = task_move(
             task.pk, source=S.RETRY_WAIT, target=S.QUEUED, generation=task.generation, actor=ACTOR,
             reason="retry due",
@@ -207,6 +219,26 @@ def promote_retries(now: datetime) -> int:
         )
         promoted += bool(moved)
     return promoted
+
+
+def outage_recheck_s() -> float:
+    """Real seconds between looks at whether a channel is back, for work parked by an outage."""
+    from tasks.vendor.policies import RetryPolicy
+
+    return timescale.seconds(min(RetryPolicy().cap_s, BreakerPolicy().open_wait_s))
+
+
+def park_for_outage(task: Task, now: datetime) -> bool:
+    """No channel that could take this task is up: it waits in RETRY_WAIT (all_channels_down)
+    rather than running out its queue deadline in the lane."""
+    moved = task_move(
+        task.pk, source=S.QUEUED, target=S.RETRY_WAIT, generation=task.generation, actor=ACTOR,
+        reason="every channel for this kind is down: waiting for one to recover",
+        fields=dict(due_at=now + timedelta(seconds=outage_recheck_s()), waiting_reason="all_channels_down",
+                    dispatched_at=None, enqueued_at=None),
+        data={"waiting_reason": "all_channels_down"},
+    )
+    return moved is not None
 
 
 def lane_has_room(lane: Lane) -> bool:
@@ -352,6 +384,10 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
             task = heads[tenant].pop(0)
             room = pick_channel(task, rooms)
             if room is None:
+                usable = [r for r in rooms.values() if task.kind in (r.channel.kinds or [])
+                          and r.channel.name not in (task.abandoned_channels or [])]
+                if not any(r.available for r in usable):
+                    park_for_outage(task, now)
                 continue
             fields: dict[str, Any] = dict(dispatched_at=now, enqueued_at=now)
             if task.channel_id != room.channel.name or not task.vendor_idempotency_key:
@@ -390,6 +426,7 @@ def send_due_steps(now: datetime) -> int:
     """Send the next step of every task whose step is due and not held by a live lease."""
     resend_before = resend_cutoff(now)
     steps = {S.ACCEPTED: "precheck", S.RUNNING: "poll", S.RECONCILING: "reconcile", S.CANCEL_REQUESTED: "cancel"}
+    running_steps = {Task.Phase.POLL: "poll", Task.Phase.FETCH: "fetch"}
     rows = (
         Task.objects.filter(state__in=list(steps), due_at__lte=now)
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
@@ -399,13 +436,13 @@ def send_due_steps(now: datetime) -> int:
     sent = 0
     backlogs = Backlogs()
     for row in rows:
-        if row["state"] == S.RUNNING and row["phase"] != Task.Phase.POLL:
+        if row["state"] == S.RUNNING and row["phase"] not in running_steps:
             continue
         resend = row["enqueued_at"] is not None and row["enqueued_at"] >= row["due_at"]
         if resend and not presumed_lost(row["enqueued_at"], now, row["lane_id"], backlogs):
             continue
         if task_update(row["pk"], state=row["state"], generation=row["generation"], enqueued_at=now):
-            step = steps[row["state"]]
+            step = running_steps[row["phase"]] if row["state"] == S.RUNNING else steps[row["state"]]
             send_step(step, row["pk"], row["generation"], lane=row["lane_id"])
             sent += 1
     return sent
@@ -435,6 +472,16 @@ def probe_open_breakers(now: datetime) -> int:
         channel = health.channel
         if breaker.is_available(channel, health):
             send("tasks.workers.run_probe", channel.name, name=f"probe {channel.name}")
+            sent += 1
+    return sent
+
+
+def send_due_ledger_syncs(now: datetime) -> int:
+    """A ledger sync that could not finish is tried again when it said it would."""
+    sent = 0
+    for channel_id in ChannelHealth.objects.filter(ledger_sync_due_at__lte=now).values_list("channel_id", flat=True):
+        if ChannelHealth.objects.filter(pk=channel_id, ledger_sync_due_at__lte=now).update(ledger_sync_due_at=None):
+            send("tasks.workers.run_ledger_sync", channel_id, name=f"ledger sync {channel_id}")
             sent += 1
     return sent
 
@@ -477,11 +524,17 @@ def clean_up_vendor_jobs(now: datetime) -> int:
 
 # --- why is this task waiting? -----------------------------------------------------------------
 def waiting_reason(task: Task) -> str | None:
-    """tenant_at_quota | lane_full | vendor_budget | breaker_open | fair_share (and a few states)."""
+    """Why a task is not moving: stored with the move into RETRY_WAIT or RECONCILING (or a result
+    download waiting to be retried), derived for ACCEPTED and QUEUED work (tenant_at_quota |
+    lane_full | vendor_budget | breaker_open | fair_share ...)."""
     if task.state == S.ACCEPTED:
         return "lane_full" if task.deferred else "precheck"
     if task.state == S.RETRY_WAIT:
-        return "retry_backoff"
+        return task.waiting_reason or "retry_backoff"
+    if task.state == S.RECONCILING:
+        return task.waiting_reason or "reconciling"
+    if task.state == S.RUNNING and task.phase == Task.Phase.FETCH and task.waiting_reason and task.fetch_attempts:
+        return task.waiting_reason
     if task.state != S.QUEUED or task.dispatched_at is not None:
         return None
     lane = task.lane

@@ -1,55 +1,192 @@
-"""Billing reconciliation: our vendor jobs against each vendor's usage ledger.
+"""Billing, accounted per task: every vendor job a task was billed for, across channels, attempts
+and client_refs; and reconciliation with each vendor's usage ledger.
 
-The ledger is the vendor's word on what it billed. Syncing it catches what a task alone cannot:
-a duplicate that appeared after the task finished (a stalled request completing late at a vendor
-that ignores keys), jobs billed with no task, jobs billed but failed.
+A task billed for more than one job is a billing incident whatever the reason (a vendor that
+ignored our key, a job the vendor lost, a retry after a failed or unusable job), shown with the
+amounts and the cause of each extra job. The live check runs whenever Sluice records a job; the
+ledger check catches what the task alone cannot see: a job billed under an operation whose answer
+never came back, a duplicate that appeared after the task finished.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from django.db.models import Count
+from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from tasks import lifecycle
-from tasks.models import DuplicateIncident, LedgerEntry, Task, VendorChannel, VendorJob
+from tasks import lifecycle, timescale
+from tasks.models import (
+    ChannelHealth,
+    DuplicateIncident,
+    LedgerEntry,
+    Task,
+    VendorChannel,
+    VendorJob,
+)
 from tasks.observability import log_event
 from tasks.vendor.breaker import health_for
+from tasks.vendor.classification import Outcome
 from tasks.vendor.client import VendorClient
 from tasks.vendor.errors import VendorError
 
+# A ledger sync retries a page this many times, waiting at most this long in all (nominal).
+LEDGER_TRIES_PER_PAGE = 4
+LEDGER_BUDGET_S = 30.0
+# An incomplete sync tries again after this long (nominal, jittered).
+LEDGER_RETRY_S = 60.0
 
-def ledger_sync(*, channel: VendorChannel, max_pages: int = 100) -> int:
-    """Copy new ledger entries of one channel; returns how many were added."""
+
+# --- per task -------------------------------------------------------------------------------------
+def job_cause(job: VendorJob) -> str:
+    """Why this extra job of a task exists, in words an operator can act on."""
+    if job.duplicate_of_id is not None:
+        return "a duplicate of the same operation: the vendor ignored our key or created two jobs"
+    if job.status == "lost":
+        return "billed, then lost by the vendor (it forgot the job); the operation was sent again"
+    if job.integrity_flag:
+        return f"billed, but its result was unusable ({job.integrity_flag}); retried as a new operation"
+    if job.status == "failed":
+        return "billed, then failed at the vendor; retried as a new operation"
+    if job.status == "canceled":
+        return "billed, then stopped by Sluice (poll budget or execution timeout); retried"
+    if job.status == "unknown":
+        return f"billed by the vendor under {job.client_ref or 'an operation of this task'}; Sluice never saw the job (a lost answer)"
+    return "another operation of the same task"
+
+
+def task_billing_check(task_id: Any) -> DuplicateIncident | None:
+    """Every billed job of the task beyond the one it keeps is recorded in its one incident."""
+    jobs = list(VendorJob.objects.filter(task_id=task_id).order_by("created_at", "id"))
+    if len(jobs) < 2:
+        return None
+    current = Task.objects.filter(pk=task_id).values_list("vendor_job_id", "generation").first()
+    if current is None:
+        return None
+    kept = next((j for j in jobs if j.pk == current[0]), None) or next(
+        (j for j in reversed(jobs) if j.status == "completed" and j.duplicate_of_id is None), jobs[0]
+    )
+    extras = [j for j in jobs if j.pk != kept.pk]
+    rows = [
+        {"channel": j.channel_id, "job_id": j.vendor_job_id, "client_ref": j.client_ref,
+         "amount_cents": j.amount_cents or 0, "status": j.status, "cause": job_cause(j)}
+        for j in extras
+    ]
+    with transaction.atomic():
+        incident, created = DuplicateIncident.objects.select_for_update().get_or_create(
+            task_id=task_id,
+            defaults=dict(channel_id=kept.channel_id, client_ref=kept.client_ref, kept_job_id=kept.vendor_job_id),
+        )
+        before = set(incident.duplicate_job_ids)
+        incident.channel_id, incident.client_ref, incident.kept_job_id = kept.channel_id, kept.client_ref, kept.vendor_job_id
+        incident.duplicate_job_ids = [r["job_id"] for r in rows]
+        incident.duplicate_amount_cents = sum(r["amount_cents"] for r in rows)
+        incident.jobs = rows
+        incident.save()
+    new = set(incident.duplicate_job_ids) - before
+    if new:
+        lifecycle.record_event(
+            task_id, generation=current[1], actor="billing",
+            reason=f"billed {len(jobs)} times: {len(rows)} extra job(s), {incident.duplicate_amount_cents}¢ "
+                   f"({'; '.join(sorted({r['cause'].split(';')[0] for r in rows}))})",
+            data={"kept": kept.vendor_job_id, "duplicates": sorted(new), "amount_cents": incident.duplicate_amount_cents},
+        )
+        log_event("duplicate_billing", logging.WARNING, task_id=task_id, channel=kept.channel_id, count=len(rows))
+    return incident
+
+
+# --- the vendors' ledgers ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LedgerSyncReport:
+    channel: str
+    added: int
+    pages: int
+    complete: bool
+    summary: str
+    retry_in_s: float | None = None
+
+
+def ledger_sync(*, channel: VendorChannel, page_size: int = 1000, max_pages: int = 100,
+                budget_s: float = LEDGER_BUDGET_S) -> LedgerSyncReport:
+    """Copy new ledger entries of one channel, page after page from where the last sync stopped.
+
+    A 429, a 5xx or a broken connection is retried (Retry-After first, then backoff) within the
+    sync's own time budget. A sync that could not finish says so, keeps its cursor, and is due
+    again later: it never reports "done" for what it did not read."""
     health = health_for(channel)
     client = VendorClient(channel)
     cursor = health.ledger_cursor or None
-    added = 0
+    deadline = time.monotonic() + timescale.seconds(budget_s)
+    added = pages = 0
+    stopped = None
     for _ in range(max_pages):
+        page, stopped = _ledger_page(client, cursor=cursor, limit=page_size, deadline=deadline)
+        if page is None:
+            break
+        pages += 1
+        for entry in page["data"]:
+            added += _ledger_entry_store(channel, entry)
+        cursor = page.get("next_cursor")
+        if cursor:
+            ChannelHealth.objects.filter(pk=channel.pk).update(ledger_cursor=cursor)
+        if not cursor:
+            break
+    else:
+        stopped = f"more than {max_pages} pages"
+    now = timezone.now()
+    if stopped is None:
+        summary = f"complete: {added} new entries in {pages} page(s)"
+        ChannelHealth.objects.filter(pk=channel.pk).update(ledger_sync_status=summary, ledger_synced_at=now,
+                                                           ledger_sync_due_at=None)
+        return LedgerSyncReport(channel.name, added, pages, True, summary)
+    retry_in = LEDGER_RETRY_S * random.uniform(0.5, 1.0)
+    summary = (f"incomplete: {pages} page(s) read ({added} new entries), stopped by {stopped}; "
+               f"the rest of the ledger is not read yet, will retry in {retry_in:.0f}s")
+    ChannelHealth.objects.filter(pk=channel.pk).update(
+        ledger_sync_status=summary[:300], ledger_synced_at=now, ledger_sync_due_at=timescale.after(retry_in, now=now),
+    )
+    log_event("ledger_sync_incomplete", logging.WARNING, channel=channel.name, count=pages, reason=stopped)
+    return LedgerSyncReport(channel.name, added, pages, False, summary, retry_in_s=retry_in)
+
+
+def _ledger_page(client: VendorClient, *, cursor: str | None, limit: int, deadline: float) -> tuple[dict | None, str | None]:
+    """One page, retried within the budget; (page, None) or (None, why it stopped)."""
+    from tasks.vendor.policies import RetryPolicy
+
+    policy = RetryPolicy.for_channel(client.channel)
+    why = "the time budget"
+    for attempt in range(LEDGER_TRIES_PER_PAGE):
         try:
-            page = client.usage(cursor=cursor, limit=1000)
-        except VendorError:
-            break
-        for entry in page.get("data", []):
-            _, created = LedgerEntry.objects.get_or_create(
-                channel=channel, entry_id=str(entry["entry_id"]),
-                defaults=dict(
-                    job_id=str(entry.get("job_id") or ""), client_ref=str(entry.get("client_ref") or "")[:100],
-                    idempotency_key=str(entry.get("idempotency_key") or "")[:255], units=entry.get("units") or 0,
-                    unit=str(entry.get("unit") or "")[:20], amount_cents=int(entry.get("amount_cents") or 0),
-                    billed_at=_time(entry.get("created_at")),
-                ),
-            )
-            added += created
-        next_cursor = page.get("next_cursor")
-        if not next_cursor:
-            break
-        cursor = next_cursor
-        type(health).objects.filter(pk=health.pk).update(ledger_cursor=cursor)
-    return added
+            return client.usage(cursor=cursor, limit=limit), None
+        except VendorError as err:
+            why = f"{err.error_class or err.code} ({err.message})"
+            if err.outcome not in (Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS):
+                return None, why
+            wait = timescale.seconds(policy.delay_s(attempt + 1, err.retry_after_s))
+            if time.monotonic() + wait > deadline:
+                return None, why
+            time.sleep(wait)
+    return None, why
+
+
+def _ledger_entry_store(channel: VendorChannel, entry: dict[str, Any]) -> int:
+    _, created = LedgerEntry.objects.get_or_create(
+        channel=channel, entry_id=str(entry["entry_id"]),
+        defaults=dict(
+            job_id=str(entry.get("job_id") or ""), client_ref=str(entry.get("client_ref") or "")[:100],
+            idempotency_key=str(entry.get("idempotency_key") or "")[:255], units=entry.get("units") or 0,
+            unit=str(entry.get("unit") or "")[:20], amount_cents=int(entry.get("amount_cents") or 0),
+            billed_at=_time(entry.get("created_at")),
+        ),
+    )
+    return int(created)
 
 
 def _time(value: str | None) -> datetime:
@@ -66,52 +203,61 @@ def task_of_client_ref(client_ref: str) -> Task | None:
         return None
 
 
-def duplicates_from_ledger(*, channel: VendorChannel) -> int:
-    """Report every operation the ledger billed more than once that no incident names yet."""
+def duplicates_from_ledger() -> int:
+    """Group every channel's ledger by task; report each task billed more than once that its
+    incident does not fully name yet. Returns how many incidents were opened or grew."""
+    known = {(c, j): t for c, j, t in VendorJob.objects.values_list("channel_id", "vendor_job_id", "task_id")}
+    by_task: dict[Any, list[LedgerEntry]] = defaultdict(list)
+    for entry in LedgerEntry.objects.order_by("billed_at", "id"):
+        task_id = known.get((entry.channel_id, entry.job_id))
+        if task_id is None and entry.client_ref:
+            task = task_of_client_ref(entry.client_ref)
+            task_id = task.pk if task else None
+        if task_id is not None:
+            by_task[task_id].append(entry)
     reported = 0
-    groups = (
-        LedgerEntry.objects.filter(channel=channel).exclude(client_ref="")
-        .values("client_ref").annotate(n=Count("id")).filter(n__gt=1)
-    )
-    for group in groups:
-        client_ref = group["client_ref"]
-        entries = list(LedgerEntry.objects.filter(channel=channel, client_ref=client_ref).order_by("billed_at", "id"))
-        job_ids = [e.job_id for e in entries]
-        incident = DuplicateIncident.objects.filter(channel=channel, client_ref=client_ref).first()
-        task = task_of_client_ref(client_ref)
-        if task is None:
+    for task_id, entries in by_task.items():
+        if len(entries) < 2:
             continue
-        kept = task.vendor_job.vendor_job_id if task.vendor_job_id and task.vendor_job.vendor_job_id in job_ids else job_ids[0]
-        extras = [j for j in job_ids if j != kept]
-        if incident is not None and set(extras) <= set(incident.duplicate_job_ids):
+        incident = DuplicateIncident.objects.filter(task_id=task_id).first()
+        named = set(incident.duplicate_job_ids) | {incident.kept_job_id} if incident else set()
+        if {e.job_id for e in entries} <= named:
             continue
-        amount = sum(e.amount_cents for e in entries if e.job_id in extras)
-        keep_row = VendorJob.objects.filter(channel=channel, vendor_job_id=kept).first()
-        for job_id in extras:
-            row, created = VendorJob.objects.get_or_create(
-                channel=channel, vendor_job_id=job_id,
-                defaults=dict(task=task, client_ref=client_ref, status="unknown", adopted=True, duplicate_of=keep_row,
-                              cancel_requested_at=timezone.now()),
+        task = Task.objects.get(pk=task_id)
+        for entry in entries:
+            job, created = VendorJob.objects.get_or_create(
+                channel_id=entry.channel_id, vendor_job_id=entry.job_id,
+                defaults=dict(task=task, client_ref=entry.client_ref, idempotency_key=entry.idempotency_key,
+                              status="unknown", adopted=True, amount_cents=entry.amount_cents,
+                              billing_units=entry.units, billing_unit=entry.unit, cancel_requested_at=timezone.now()),
             )
-            if not created and row.duplicate_of_id is None and row.pk != (keep_row.pk if keep_row else None):
-                VendorJob.objects.filter(pk=row.pk).update(duplicate_of=keep_row)
-        if incident is None:
-            DuplicateIncident.objects.create(task=task, channel=channel, client_ref=client_ref, kept_job_id=kept,
-                                             duplicate_job_ids=extras, duplicate_amount_cents=amount)
-        else:
-            DuplicateIncident.objects.filter(pk=incident.pk).update(duplicate_job_ids=extras, duplicate_amount_cents=amount)
-        lifecycle.record_event(task.pk, generation=task.generation, actor="billing reconciliation",
-                               reason=f"duplicate billing found in the vendor's ledger: {len(extras)} extra job(s)",
-                               data={"kept": kept, "duplicates": extras, "amount_cents": amount})
-        log_event("duplicate_billing", logging.WARNING, task_id=task.pk, channel=channel.name, count=len(extras))
-        reported += 1
+            if not created and job.amount_cents is None:
+                VendorJob.objects.filter(pk=job.pk).update(amount_cents=entry.amount_cents)
+        if task_billing_check(task_id) is not None:
+            lifecycle.record_event(task_id, generation=task.generation, actor="billing reconciliation",
+                                   reason=f"the vendors' ledgers bill this task {len(entries)} times",
+                                   data={"jobs": [e.job_id for e in entries]})
+            reported += 1
     return reported
 
 
-def billing_reconcile() -> dict[str, int]:
-    """Sync every channel's ledger and report duplicates; run by housekeeping and on demand."""
-    added = reported = 0
+def billing_reconcile() -> dict[str, Any]:
+    """Sync every channel's ledger and report tasks billed more than once; run by housekeeping,
+    by the dispatcher when an incomplete sync is due again, and on demand."""
+    added = 0
+    incomplete = []
     for channel in VendorChannel.objects.filter(enabled=True):
-        added += ledger_sync(channel=channel)
-        reported += duplicates_from_ledger(channel=channel)
-    return {"ledger_entries": added, "duplicates_reported": reported}
+        report = ledger_sync(channel=channel)
+        added += report.added
+        if not report.complete:
+            incomplete.append({"channel": channel.name, "summary": report.summary})
+    return {"ledger_entries": added, "duplicates_reported": duplicates_from_ledger(), "incomplete": incomplete}
+
+
+def ledger_sync_due(channel_name: str) -> dict[str, Any]:
+    """An incomplete sync of one channel, tried again."""
+    channel = VendorChannel.objects.filter(pk=channel_name, enabled=True).first()
+    if channel is None:
+        return {"skipped": channel_name}
+    report = ledger_sync(channel=channel)
+    return {"ledger_entries": report.added, "complete": report.complete, "duplicates_reported": duplicates_from_ledger()}

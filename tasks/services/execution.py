@@ -15,6 +15,7 @@ import random
 import socket
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,14 +26,14 @@ from django.utils.dateparse import parse_datetime
 
 from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
-from tasks.models import Attempt, DuplicateIncident, Task, VendorChannel, VendorJob
+from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release, vendor_job_terminal
 from tasks.services.outcomes import task_move
-from tasks.states import State
+from tasks.states import TERMINAL_STATES, State
 from tasks.storage import attempt_result_path, relative_result
 from tasks.vendor import breaker
-from tasks.vendor.classification import Outcome
+from tasks.vendor.classification import Failure, Outcome
 from tasks.vendor.client import Created, JobView, VendorClient
 from tasks.vendor.errors import StopUpload, VendorError
 from tasks.vendor.policies import PollPolicy, RetryPolicy
@@ -41,6 +42,9 @@ S = State
 P = Task.Phase
 # A job that answers 404 this soon after we created it is "not visible yet", not gone.
 TRANSIENT_404_WINDOW_S = 30.0
+# A result whose digest does not match may have been damaged on the way: it is downloaded again
+# this many times before it is declared unusable.
+DIGEST_REFETCHES = 2
 
 
 def worker_id() -> str:
@@ -136,6 +140,9 @@ def step_start(task_id: Any, generation: int) -> str:
     lease = Lease.adopt(task)
     try:
         submit(task, lease)
+    except Exception as exc:
+        step_crashed(task, exc)
+        return "crashed"
     finally:
         lease.release()
     return "started"
@@ -214,17 +221,23 @@ def _expired(moment: datetime | None) -> bool:
 
 
 def _record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None) -> VendorJob:
-    """A job exists at the vendor: record it whatever happens to the task (it holds budget)."""
-    job, _ = VendorJob.objects.get_or_create(
+    """A job exists at the vendor: record it whatever happens to the task (it holds budget, and it
+    was billed: a second job of the same task is reported at once)."""
+    job, created = VendorJob.objects.get_or_create(
         channel=channel, vendor_job_id=view.id,
         defaults=dict(
             task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
             status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
             billing_unit=view.billing_unit or "", amount_cents=view.amount_cents, input_sha256=view.input_sha256,
+            result_sha256=view.result_sha256 or "", result_size=view.result_size,
         ),
     )
     if view.terminal:
         vendor_job_terminal(job, view.status)
+    if created:
+        from tasks.services.billing import task_billing_check
+
+        task_billing_check(task.pk)
     return job
 
 
@@ -238,7 +251,7 @@ def _job_created(task: Task, created: Created) -> None:
     first = poll.next_interval_s(0)
     now = timezone.now()
     updated = task_update(
-        task.pk, state=S.RUNNING, generation=g, vendor_job=job, phase=P.POLL, poll_interval_s=first,
+        task.pk, state=S.RUNNING, generation=g, vendor_job=job, phase=P.POLL, poll_interval_s=first, outage_since=None,
         due_at=now + timescale.delta(poll.jittered(first)), poll_deadline_at=now + timescale.delta(poll.budget_s),
         lease_owner="", lease_expires_at=None, error_code="", error_message="",
     )
@@ -253,19 +266,19 @@ def _job_created(task: Task, created: Created) -> None:
 
 
 def _submit_failed(task: Task, err: VendorError, *, stage: str) -> None:
-    outcome = err.outcome
-    if stage == "upload" and outcome == Outcome.AMBIGUOUS:
+    failure = err.failure
+    if stage == "upload" and failure.outcome == Outcome.AMBIGUOUS:
         # Uploads are never billed: a broken upload is simply sent again.
-        outcome = Outcome.NOT_PROCESSED
+        failure = replace(failure, outcome=Outcome.NOT_PROCESSED)
     if err.code == "upload_not_found":
         task_update(task.pk, state=S.RUNNING, generation=task.generation, upload_id="", upload_expires_at=None)
-    if outcome == Outcome.NOT_PROCESSED:
-        retry_or_fallback(task, err, source=S.RUNNING)
-    elif outcome == Outcome.AMBIGUOUS and settings.UNSAFE_SKIP_RECONCILIATION:
-        retry_or_fallback(task, err, source=S.RUNNING, new_operation=True)
-    elif outcome == Outcome.AMBIGUOUS:
-        to_reconciling(task, err)
-    elif outcome == Outcome.ALARM:
+    if failure.outcome == Outcome.NOT_PROCESSED:
+        retry_or_fallback(task, failure, source=S.RUNNING)
+    elif failure.outcome == Outcome.AMBIGUOUS and settings.UNSAFE_SKIP_RECONCILIATION:
+        retry_or_fallback(task, failure, source=S.RUNNING, new_operation=True)
+    elif failure.outcome == Outcome.AMBIGUOUS:
+        to_reconciling(task, failure, operation=err.operation)
+    elif failure.outcome == Outcome.ALARM:
         log_event("idempotency_alarm", logging.ERROR, task_id=task.pk, channel=task.channel_id, code=err.code)
         fail(task, source=S.RUNNING, code=err.code, message=f"{err.message}: our bug or the vendor's; investigate",
              data={"alarm": True, "error_class": err.error_class})
@@ -276,13 +289,14 @@ def _submit_failed(task: Task, err: VendorError, *, stage: str) -> None:
         poison_check(task=task)
 
 
-def to_reconciling(task: Task, err: VendorError) -> None:
+def to_reconciling(task: Task, failure: Failure, *, operation: str = "a vendor call", source: State = S.RUNNING) -> None:
     task_move(
-        task.pk, source=S.RUNNING, target=S.RECONCILING, generation=task.generation, actor=actor(),
-        reason=f"{err.error_class or err.status} during {err.operation}: the vendor may have acted; reconcile before any retry",
+        task.pk, source=source, target=S.RECONCILING, generation=task.generation, actor=actor(),
+        reason=f"{failure.error_class or failure.code} during {operation}: the vendor may have acted; reconcile before any retry",
         fields=dict(due_at=timezone.now(), enqueued_at=None, phase="", lease_owner="", lease_expires_at=None,
-                    error_code=err.code, error_message=err.message[:500]),
-        attempt_outcome=Attempt.Outcome.RECONCILE, data={"error_class": err.error_class},
+                    error_code=failure.code[:64], error_message=failure.message[:500], reconcile_rounds=0,
+                    waiting_reason="reconciling"),
+        attempt_outcome=Attempt.Outcome.RECONCILE, data={"error_class": failure.error_class},
     )
 
 
@@ -306,64 +320,80 @@ def other_channels(task: Task, *, excluding: list[str]) -> list[VendorChannel]:
     ]
 
 
-def retry_or_fallback(task: Task, err: VendorError, *, source: State, new_operation: bool = False) -> None:
-    """A provably not-processed failure (or a finished failed job): wait durably, maybe elsewhere."""
+def retry_or_fallback(task: Task, failure: Failure, *, source: State, new_operation: bool = False) -> None:
+    """A provably not-processed failure (or a finished failed job): wait durably, maybe elsewhere.
+
+    When every channel that serves the task's kind has spent its attempts and the last one could
+    not take the work at all (unreachable, unavailable: provably not processed, nothing billed),
+    the task waits (`all_channels_down`) at the capped backoff for any channel to recover, until
+    its business deadline. Other failures (a billed job that failed, an upload that keeps timing
+    out) are not retried without end: they fail with retries_exhausted."""
     channel = task.channel
     policy = RetryPolicy.for_channel(channel)
     now = timezone.now()
     fields: dict[str, Any] = dict(
-        error_code=err.code[:64], error_message=err.message[:500], error_retryable=True, phase="",
+        error_code=failure.code[:64], error_message=failure.message[:500], error_retryable=True, phase="",
         lease_owner="", lease_expires_at=None, dispatched_at=None, enqueued_at=None,
-        last_retry_after_s=err.retry_after_s, vendor_job=None,
+        last_retry_after_s=failure.retry_after_s, vendor_job=None, fetch_attempts=0, reconcile_rounds=0,
     )
     if new_operation:
         # The old job is over: the next submission is a new operation with a new key.
         fields.update(vendor_client_ref="", vendor_idempotency_key="", upload_id="", upload_expires_at=None)
-    breaker_denied = err.error_class == "BreakerOpen"
-    flow_control = err.row.flow_control
+    flow_control = failure.flow_control
     attempts_here = task.channel_attempts + (0 if flow_control else 1)
     spent = not flow_control and policy.exhausted(attempts_here)
-    dry = not flow_control and not spent and not breaker.take_retry_token(channel, timeout=err.is_timeout)
     fallbacks = other_channels(task, excluding=[channel.name, *task.abandoned_channels])
-    if breaker_denied and fallbacks:
+    waiting = "retry_backoff"
+    if failure.breaker_open and fallbacks:
         fields.update(_abandon(task, channel))
         delay_real = timescale.seconds(policy.base_s) * 0.1
         decision = f"breaker open: fall back from {channel.name}"
-    elif breaker_denied:
+    elif failure.breaker_open:
         delay_real = max(breaker.retry_in_s(channel) or 0.0, timescale.seconds(policy.base_s)) * 1.1
         decision = "breaker open: wait for it"
-    elif spent and fallbacks:
+        waiting = "all_channels_down" if not other_channels(task, excluding=[channel.name]) or task.abandoned_channels else "breaker_open"
+    elif spent and not fallbacks and not failure.unavailable:
+        fail(task, source=source, code="retries_exhausted",
+             message=f"{failure.message}; retries on every channel are spent", retryable=True, dead_letter=True,
+             data={"error_class": failure.error_class or "retryable"})
+        return
+    elif (spent and not fallbacks) or (task.outage_since and failure.unavailable and not flow_control):
+        # Every channel failed and nothing was processed: wait for any of them to recover, one
+        # try per round at the capped backoff (not a new round of fast retries per channel).
+        fields.update(_abandon(task, channel), abandoned_channels=[], outage_since=task.outage_since or now)
+        delay_real = timescale.seconds(policy.cap_s) * random.uniform(0.5, 1.0)
+        decision = f"every channel for {task.kind} failed ({failure.code}): wait for one to recover"
+        waiting = "all_channels_down"
+    elif spent:
         fields.update(_abandon(task, channel))
         delay_real = timescale.seconds(policy.delay_s(0))
         decision = f"retries on {channel.name} spent: fall back"
-    elif spent:
-        fail(task, source=source, code="retries_exhausted",
-             message=f"{err.message}; retries on every channel are spent", retryable=True, dead_letter=True,
-             data={"error_class": err.error_class or "retryable"})
-        return
-    elif dry:
+    elif not flow_control and not breaker.take_retry_token(channel, timeout=failure.timeout):
         # The channel's retry budget is dry: slow down rather than multiply an outage's traffic.
         delay_real = timescale.seconds(policy.cap_s) * random.uniform(0.5, 1.0)
         decision = f"retry budget of {channel.name} is dry: wait {timescale.nominal(delay_real):.1f}s"
+        waiting = "retry_budget_dry"
     else:
-        delay_real = timescale.seconds(policy.delay_s(task.channel_attempts, err.retry_after_s))
+        delay_real = timescale.seconds(policy.delay_s(task.channel_attempts, failure.retry_after_s))
         fields.update(channel_attempts=attempts_here)
         decision = f"retry on {channel.name} in {timescale.nominal(delay_real):.1f}s"
+        waiting = "rate_limited" if failure.code == "http_429" else "retry_backoff"
     due = now + timedelta(seconds=delay_real)
     if due >= task.deadline_at:
         fail(task, source=source, code="deadline_exceeded",
-             message=f"the business deadline passes before the next try ({err.message})", retryable=True,
-             dead_letter=True, data={"error_class": err.error_class or "retryable"})
+             message=f"the business deadline passes before the next try ({failure.message}; waiting: {waiting})",
+             retryable=True, dead_letter=True, data={"error_class": failure.error_class or "retryable"})
         return
-    fields.update(due_at=due, retries=F("retries") + 1)
+    fields.update(due_at=due, retries=F("retries") + 1, waiting_reason=waiting)
     task_move(
         task.pk, source=source, target=S.RETRY_WAIT, generation=task.generation, actor=actor(),
-        reason=f"{err.code}: {decision}", fields=fields, attempt_outcome=Attempt.Outcome.RETRY,
-        data={"error_class": err.error_class, "retry_after_s": err.retry_after_s, "delay_s": round(delay_real, 3)},
+        reason=f"{failure.code}: {decision}", fields=fields, attempt_outcome=Attempt.Outcome.RETRY,
+        data={"error_class": failure.error_class, "retry_after_s": failure.retry_after_s, "delay_s": round(delay_real, 3),
+              "waiting_reason": waiting},
     )
     slots_release(task.pk, JOB, UPLOAD, reason="not processed: retry later")
-    log_event("retry_scheduled", task_id=task.pk, channel=channel.name, code=err.code, delay_s=round(delay_real, 3),
-              retry_after_s=err.retry_after_s, decision=decision)
+    log_event("retry_scheduled", task_id=task.pk, channel=channel.name, code=failure.code, delay_s=round(delay_real, 3),
+              retry_after_s=failure.retry_after_s, decision=decision)
 
 
 def _abandon(task: Task, channel: VendorChannel) -> dict[str, Any]:
@@ -373,7 +403,7 @@ def _abandon(task: Task, channel: VendorChannel) -> dict[str, Any]:
     )
 
 
-# --- poll -------------------------------------------------------------------------------------
+# --- steps under a lease ------------------------------------------------------------------------
 def _leased(task_id: Any, generation: int, state: State, body, *, phase: str | None = None) -> str:
     """Run one step under a lease on the task at (state, generation); a stale message does nothing."""
     task = _load(task_id)
@@ -384,10 +414,31 @@ def _leased(task_id: Any, generation: int, state: State, body, *, phase: str | N
         return "busy"
     try:
         return body(task)
+    except Exception as exc:
+        step_crashed(task, exc)
+        return "crashed"
     finally:
         lease.release()
 
 
+def step_crashed(task: Task, exc: BaseException) -> None:
+    """A bug, or an answer nobody foresaw, must not leave the task without a lease and a due time:
+    a create that may have happened is reconciled, anything else is tried again later."""
+    log_event("step_crashed", logging.ERROR, task_id=task.pk, generation=task.generation, reason=type(exc).__name__)
+    row = Task.objects.filter(pk=task.pk).values("state", "generation", "phase", "due_at").first()
+    if row is None or row["state"] in TERMINAL_STATES or row["due_at"] is not None:
+        return
+    current = Task.objects.select_related("channel").get(pk=task.pk)
+    failure = Failure(Outcome.AMBIGUOUS, code="step_crashed", message=f"the step failed unexpectedly ({type(exc).__name__})",
+                      error_class=type(exc).__name__)
+    if current.state == S.RUNNING and current.phase in (P.UPLOAD, P.CREATE, ""):
+        to_reconciling(current, failure, operation="a step")
+        return
+    task_update(current.pk, state=current.state, generation=current.generation, enqueued_at=None,
+                due_at=timescale.after(RetryPolicy().cap_s * random.uniform(0.5, 1.0)))
+
+
+# --- poll -----------------------------------------------------------------------------------------
 def step_poll(task_id: Any, generation: int) -> str:
     return _leased(task_id, generation, S.RUNNING, _poll, phase=P.POLL)
 
@@ -400,7 +451,7 @@ def _poll(task: Task) -> str:
     except VendorError as err:
         young = (timezone.now() - job.created_at).total_seconds() < timescale.seconds(TRANSIENT_404_WINDOW_S)
         if err.status == 404 and not young:
-            to_reconciling(task, err)
+            to_reconciling(task, err.failure, operation=err.operation)
         elif err.outcome in (Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS) or err.status == 404:
             _schedule_poll(task, retry_after_s=err.retry_after_s, error=err)
         else:
@@ -412,28 +463,22 @@ def _poll(task: Task) -> str:
         return view.status
     vendor_job_terminal(job, view.status)
     if view.status == "completed":
-        return fetch_and_commit(task, job, view, client)
-    if view.status == "failed":
-        err = _job_error(view)
-        if view.error_retryable:
-            retry_or_fallback(task, err, source=S.RUNNING, new_operation=True)
-        else:
-            fail(task, source=S.RUNNING, code=err.code, message=err.message)
-            from tasks.services.quarantine import poison_check
+        return _completed(task, job, view)
+    failure = _job_failure(view)
+    if view.status == "failed" and not view.error_retryable:
+        fail(task, source=S.RUNNING, code=failure.code, message=failure.message)
+        from tasks.services.quarantine import poison_check
 
-            poison_check(task=task)
+        poison_check(task=task)
         return "failed"
-    retry_or_fallback(task, _job_error(view), source=S.RUNNING, new_operation=True)
-    return "canceled_at_vendor"
+    retry_or_fallback(task, failure, source=S.RUNNING, new_operation=True)
+    return "failed" if view.status == "failed" else "canceled_at_vendor"
 
 
-def _job_error(view: JobView) -> VendorError:
-    from tasks.vendor.classification import Row
-
+def _job_failure(view: JobView) -> Failure:
     outcome = Outcome.NOT_PROCESSED if view.error_retryable or view.status == "canceled" else Outcome.REFUSED
-    code = f"vendor_{view.error_code or view.status}"[:64]
-    message = view.error_message or f"the vendor job ended {view.status}"
-    return VendorError(Row(outcome, False, message), operation="get_job", code=code, error_class="VendorJobFailed")
+    return Failure(outcome, code=f"vendor_{view.error_code or view.status}"[:64],
+                   message=view.error_message or f"the vendor job ended {view.status}", error_class="VendorJobFailed")
 
 
 def _schedule_poll(task: Task, *, retry_after_s: float | None = None, error: VendorError | None = None) -> None:
@@ -456,36 +501,61 @@ def _schedule_poll(task: Task, *, retry_after_s: float | None = None, error: Ven
 
 
 def _poll_budget_spent(task: Task) -> None:
-    """The vendor took longer than the poll budget: stop paying for it and try again."""
-    job = task.vendor_job
-    VendorJob.objects.filter(pk=job.pk, terminal_at__isnull=True).update(cancel_requested_at=timezone.now())
-    from tasks.vendor.classification import Row
-
-    err = VendorError(Row(Outcome.NOT_PROCESSED, False, "the vendor did not finish within the poll budget"),
-                      operation="get_job", code="poll_budget_exhausted", error_class="PollBudget")
-    retry_or_fallback(task, err, source=S.RUNNING, new_operation=True)
+    """The vendor is still working after the poll budget: stop its job (and confirm it stopped)
+    before anything new starts. If it completes meanwhile, reconciliation adopts and fetches it."""
+    to_reconciling(task, Failure(Outcome.NOT_PROCESSED, code="poll_budget_exhausted", error_class="PollBudget",
+                                 message="the vendor did not finish within the poll budget"), operation="polling")
 
 
-def fetch_and_commit(task: Task, job: VendorJob, view: JobView, client: VendorClient) -> str:
-    g = task.generation
+# --- fetch ------------------------------------------------------------------------------------------
+def step_fetch(task_id: Any, generation: int) -> str:
+    return _leased(task_id, generation, S.RUNNING, _fetch, phase=P.FETCH)
+
+
+def _completed(task: Task, job: VendorJob, view: JobView) -> str:
+    """The vendor reports the job completed (and billed it): from here on it is fetched, never
+    abandoned — only the business deadline or a refusal ends the download's retries."""
     if view.input_sha256 and view.input_sha256 != task.file.sha256:
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="input_digest_mismatch")
         return _integrity_failure(task, "the vendor processed a different input than ours (sha256 mismatch)")
-    task_update(task.pk, state=S.RUNNING, generation=g, phase=P.FETCH)
+    VendorJob.objects.filter(pk=job.pk).update(result_sha256=view.result_sha256 or "", result_size=view.result_size)
+    job.result_sha256 = view.result_sha256 or ""
+    task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
+    task.phase, task.fetch_attempts = P.FETCH, 0
+    return _fetch(task)
+
+
+def _fetch(task: Task) -> str:
+    g = task.generation
+    job = task.vendor_job
+    client = VendorClient(task.channel, task_id=task.pk, generation=g)
     dest = attempt_result_path(task.pk, g)
     try:
         fetched = client.fetch_result(job.vendor_job_id, dest)
     except VendorError as err:
         dest.unlink(missing_ok=True)
-        if err.outcome in (Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS):
-            task_update(task.pk, state=S.RUNNING, generation=g, phase=P.POLL)
-            _schedule_poll(task, retry_after_s=err.retry_after_s)
+        if err.status == 404:
+            # The vendor no longer knows the job it said was completed: find out what it holds.
+            to_reconciling(task, err.failure, operation=err.operation)
+            return "fetch_gone"
+        if err.status == 410:
+            retry_or_fallback(task, Failure(Outcome.NOT_PROCESSED, code="result_expired", message=err.message,
+                                            error_class=err.error_class),
+                              source=S.RUNNING, new_operation=True)
+            return "result_expired"
+        if err.outcome in (Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS) or err.status == 409:
+            _schedule_fetch(task, err.failure)
             return "fetch_retry"
         fail(task, source=S.RUNNING, code=err.code, message=err.message)
         return "fetch_failed"
-    expected = [d for d in (view.result_sha256, fetched.declared_sha256) if d]
+    expected = [d for d in (job.result_sha256, fetched.declared_sha256) if d]
     if any(d.lower() != fetched.sha256 for d in expected):
         dest.unlink(missing_ok=True)
+        if task.fetch_attempts < DIGEST_REFETCHES:
+            # It may have been damaged on the way: download it again before giving the result up.
+            _schedule_fetch(task, Failure(Outcome.NOT_PROCESSED, code="result_digest_mismatch",
+                                          message="the downloaded result does not match its declared sha256"))
+            return "fetch_retry"
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="result_digest_mismatch")
         return _integrity_failure(task, "the result's sha256 does not match what the vendor declared")
     audit_duplicates(task, task.channel, client, keep_job_id=job.vendor_job_id)
@@ -509,15 +579,37 @@ def fetch_and_commit(task: Task, job: VendorJob, view: JobView, client: VendorCl
         if current and current[0] == S.CANCEL_REQUESTED:
             Task.objects.filter(pk=task.pk, state=S.CANCEL_REQUESTED).update(due_at=timezone.now())
         return "discarded"
+    from tasks.services.billing import task_billing_check
+
+    task_billing_check(task.pk)
     return "succeeded"
 
 
-def _integrity_failure(task: Task, message: str) -> str:
-    from tasks.vendor.classification import Row
+def _schedule_fetch(task: Task, failure: Failure) -> None:
+    """Download again: after Retry-After when told, else a capped full-jitter backoff; the poll
+    interval is untouched (the job is done, only the download failed)."""
+    channel = task.channel
+    policy = RetryPolicy.for_channel(channel)
+    attempt = task.fetch_attempts + 1
+    delay = policy.delay_s(attempt, failure.retry_after_s)
+    if failure.breaker_open:
+        delay = max(delay, timescale.nominal(breaker.retry_in_s(channel) or 0))
+    due = timescale.after(delay)
+    if due >= task.deadline_at:
+        fail(task, source=S.RUNNING, code="deadline_exceeded", retryable=True, dead_letter=True,
+             message=f"the result could not be downloaded before the business deadline ({failure.message})",
+             data={"error_class": failure.error_class or "retryable"})
+        return
+    task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=attempt,
+                due_at=due, enqueued_at=None, lease_owner="", lease_expires_at=None,
+                waiting_reason="result_rate_limited" if failure.code == "http_429" else "result_download_retry")
+    log_event("fetch_retry", task_id=task.pk, channel=channel.name, code=failure.code, delay_s=round(delay, 3),
+              retry_after_s=failure.retry_after_s)
 
-    err = VendorError(Row(Outcome.NOT_PROCESSED, False, message), operation="get_result", code="integrity_error",
-                      error_class="IntegrityError")
-    retry_or_fallback(task, err, source=S.RUNNING, new_operation=True)
+
+def _integrity_failure(task: Task, message: str) -> str:
+    failure = Failure(Outcome.NOT_PROCESSED, code="integrity_error", message=message, error_class="IntegrityError")
+    retry_or_fallback(task, failure, source=S.RUNNING, new_operation=True)
     return "integrity_error"
 
 
@@ -534,25 +626,15 @@ def audit_duplicates(task: Task, channel: VendorChannel, client: VendorClient, *
     if not extras:
         return 0
     keep = VendorJob.objects.filter(channel=channel, vendor_job_id=keep_job_id).first()
-    amount = 0
     for view in extras:
         record = _record_job(task, channel, view, adopted=True, duplicate_of=keep)
         VendorJob.objects.filter(pk=record.pk).update(duplicate_of=keep)
-        amount += view.amount_cents or 0
         if not view.terminal:
             VendorJob.objects.filter(pk=record.pk).update(cancel_requested_at=timezone.now())
             cancel_vendor_job(record, client)
-    incident, created = DuplicateIncident.objects.get_or_create(
-        task=task, channel=channel, client_ref=client_ref,
-        defaults=dict(kept_job_id=keep_job_id, duplicate_job_ids=[j.id for j in extras], duplicate_amount_cents=amount),
-    )
-    if created:
-        lifecycle.record_event(
-            task.pk, generation=task.generation, actor=actor(),
-            reason=f"duplicate billing: the vendor holds {len(jobs)} jobs for one operation; kept {keep_job_id}, cancelled the rest",
-            data={"kept": keep_job_id, "duplicates": [j.id for j in extras], "amount_cents": amount},
-        )
-        log_event("duplicate_billing", logging.WARNING, task_id=task.pk, channel=channel.name, count=len(extras))
+    from tasks.services.billing import task_billing_check
+
+    task_billing_check(task.pk)
     return len(extras)
 
 
@@ -586,6 +668,10 @@ def orphan_check(job: VendorJob) -> None:
 
 
 # --- reconcile --------------------------------------------------------------------------------
+# Codes after which a live job is stopped (and confirmed stopped) before any new execution.
+STOP_FIRST = ("execution_timeout", "poll_budget_exhausted")
+
+
 def step_reconcile(task_id: Any, generation: int) -> str:
     return _leased(task_id, generation, S.RECONCILING, _reconcile)
 
@@ -593,28 +679,29 @@ def step_reconcile(task_id: Any, generation: int) -> str:
 def _reconcile(task: Task) -> str:
     generation = task.generation
     channel = task.channel
-    timed_out = task.error_code == "execution_timeout"
+    stop_first = task.error_code in STOP_FIRST
     if channel is None or not task.vendor_client_ref:
         return _reconciled_none(task, "no vendor operation was started")
     client = VendorClient(channel, task_id=task.pk, generation=generation)
+    known = task.vendor_job
+    known_missing = False
     try:
         jobs = client.list_jobs(task.vendor_client_ref)
-        known = task.vendor_job
         if known and all(j.id != known.vendor_job_id for j in jobs):
-            jobs.append(client.get_job(known.vendor_job_id))
+            try:
+                jobs.append(client.get_job(known.vendor_job_id))
+            except VendorError as err:
+                if err.status != 404:
+                    raise
+                known_missing = True
     except VendorError as err:
-        delay = max(err.retry_after_s or 0, RetryPolicy.for_channel(channel).delay_s(1))
-        if err.error_class == "BreakerOpen":
-            delay = max(delay, timescale.nominal(breaker.retry_in_s(channel) or 0))
-        task_update(task.pk, state=S.RECONCILING, generation=generation, due_at=timescale.after(delay),
-                    lease_owner="", lease_expires_at=None)
-        return "reconcile_retry"
-    from tasks.observability import log_event as _log
-
-    live = [j for j in jobs if j.status != "canceled" and j.status != "failed"]
+        return _reconcile_later(task, err.failure)
+    if not jobs and known is not None and known_missing:
+        return _vendor_lost_job(task, known)
     if not jobs:
-        _log("reconciled", task_id=task.pk, channel=channel.name, decision="none_found")
+        log_event("reconciled", task_id=task.pk, channel=channel.name, decision="none_found")
         return _reconciled_none(task, "the vendor holds no job for this operation")
+    live = [j for j in jobs if j.status != "canceled" and j.status != "failed"]
     keep = _choose_job(live or jobs, task)
     for view in jobs:
         _record_job(task, channel, view, adopted=True)
@@ -622,28 +709,32 @@ def _reconcile(task: Task) -> str:
         audit_duplicates(task, channel, client, keep_job_id=keep.id)
     record = VendorJob.objects.get(channel=channel, vendor_job_id=keep.id)
     slots_release(task.pk, JOB, reason="bound to adopted vendor job")
-    _log("reconciled", task_id=task.pk, channel=channel.name, decision="adopt", vendor_job_id=keep.id)
-    if timed_out and not keep.terminal:
+    log_event("reconciled", task_id=task.pk, channel=channel.name, decision="adopt", vendor_job_id=keep.id)
+    if stop_first and not keep.terminal:
         VendorJob.objects.filter(pk=record.pk, cancel_requested_at__isnull=True).update(cancel_requested_at=timezone.now())
         status = cancel_vendor_job(record, client)
         if status not in VendorJob.TERMINAL and status != "gone":
             # Not stopped yet: a new execution starts only once this one is confirmed ended.
             task_update(task.pk, state=S.RECONCILING, generation=generation, lease_owner="", lease_expires_at=None,
-                        due_at=timescale.after(PollPolicy.for_channel(channel).initial_s))
+                        due_at=timescale.after(PollPolicy.for_channel(channel).initial_s),
+                        waiting_reason="waiting_for_vendor_cancel")
             return "waiting_for_cancel"
-        from tasks.vendor.classification import Row
-
-        err = VendorError(Row(Outcome.NOT_PROCESSED, False, "the attempt exceeded its execution timeout"),
-                          operation="reconcile", code="execution_timeout", error_class="ExecutionTimeout")
-        retry_or_fallback(task, err, source=S.RECONCILING, new_operation=True)
-        return "timed_out"
+        if status != "completed":
+            message = ("the attempt exceeded its execution timeout" if task.error_code == "execution_timeout"
+                       else "the vendor did not finish within the poll budget")
+            failure = Failure(Outcome.NOT_PROCESSED, code=task.error_code, message=f"{message}; its job was stopped",
+                              error_class="ExecutionTimeout")
+            retry_or_fallback(task, failure, source=S.RECONCILING, new_operation=True)
+            return "timed_out"
+        # It completed before the cancel took hold: billed and done, so it is fetched.
+        keep = replace(keep, status="completed")
     if keep.status in ("failed", "canceled"):
         vendor_job_terminal(record, keep.status)
-        err = _job_error(keep)
+        failure = _job_failure(keep)
         if keep.error_retryable or keep.status == "canceled":
-            retry_or_fallback(task, err, source=S.RECONCILING, new_operation=True)
+            retry_or_fallback(task, failure, source=S.RECONCILING, new_operation=True)
         else:
-            fail(task, source=S.RECONCILING, code=err.code, message=err.message)
+            fail(task, source=S.RECONCILING, code=failure.code, message=failure.message)
         return "adopted_failed"
     now = timezone.now()
     poll = PollPolicy.for_channel(channel)
@@ -654,13 +745,66 @@ def _reconcile(task: Task) -> str:
         fields=dict(vendor_job=record, phase=P.POLL, poll_interval_s=0, due_at=now, enqueued_at=None,
                     poll_deadline_at=task.poll_deadline_at or now + timescale.delta(poll.budget_s),
                     attempt_deadline_at=now + timescale.delta(lane.execution_timeout_s),
-                    lease_owner="", lease_expires_at=None, attempts=F("attempts") + 1),
+                    lease_owner="", lease_expires_at=None, attempts=F("attempts") + 1, reconcile_rounds=0),
         data={"vendor_job_id": keep.id, "jobs_found": len(jobs)},
     )
     if moved:
         Attempt.objects.create(task=task, generation=moved.generation, owner=worker_id(), host=socket.gethostname()[:100],
                                pid=os.getpid(), channel=channel, vendor_job_id=keep.id, note="adopted after reconciliation")
     return "adopted"
+
+
+def _reconcile_later(task: Task, failure: Failure) -> str:
+    """The vendor did not answer the reconciliation: back off (full jitter, capped) and count the
+    rounds; past the channel's limit an operator is asked to look, and the checks go on slowly."""
+    channel = task.channel
+    rounds = task.reconcile_rounds + 1
+    delay = RetryPolicy.for_channel(channel).delay_s(rounds, failure.retry_after_s)
+    if failure.breaker_open:
+        delay = max(delay, timescale.nominal(breaker.retry_in_s(channel) or 0))
+    needs_operator = rounds >= channel.reconcile_max_rounds
+    task_update(task.pk, state=S.RECONCILING, generation=task.generation, due_at=timescale.after(delay),
+                enqueued_at=None, lease_owner="", lease_expires_at=None, reconcile_rounds=rounds,
+                waiting_reason="needs_operator" if needs_operator else "reconciling")
+    if rounds == channel.reconcile_max_rounds:
+        lifecycle.record_event(
+            task.pk, generation=task.generation, actor=actor(),
+            reason=f"reconciliation needs an operator: {rounds} rounds without an answer from {channel.name}; "
+                   "nothing is resent until the vendor answers or an operator decides",
+            data={"needs_operator": True, "rounds": rounds, "last_error": failure.code, "error_class": failure.error_class,
+                  "client_ref": task.vendor_client_ref,
+                  "vendor_job_id": task.vendor_job.vendor_job_id if task.vendor_job else None},
+        )
+        log_event("needs_operator", logging.WARNING, task_id=task.pk, channel=channel.name, count=rounds)
+    return "needs_operator" if needs_operator else "reconcile_retry"
+
+
+def _vendor_lost_job(task: Task, known: VendorJob) -> str:
+    """The vendor no longer knows a job it created (404, and absent from its list): it forgot it.
+    No other job exists for the operation, so nothing of it is live at the vendor: it is sent
+    again with the same key. The lost job was billed; that is reported as such."""
+    if (timezone.now() - known.created_at).total_seconds() < timescale.seconds(TRANSIENT_404_WINDOW_S):
+        return _reconcile_later(task, Failure(Outcome.AMBIGUOUS, code="job_not_visible_yet",
+                                              message="the vendor does not show its new job yet"))
+    VendorJob.objects.filter(pk=known.pk).update(status="lost")
+    vendor_job_terminal(known, "lost")
+    lifecycle.record_event(
+        task.pk, generation=task.generation, actor=actor(),
+        reason=f"vendor lost job {known.vendor_job_id}: it answers 404 and lists nothing for the operation; "
+               "resubmitting with the same key (the lost job was billed)",
+        data={"vendor_lost_job": known.vendor_job_id, "channel": known.channel_id, "amount_cents": known.amount_cents},
+    )
+    log_event("vendor_lost_job", logging.WARNING, task_id=task.pk, channel=known.channel_id, vendor_job_id=known.vendor_job_id)
+    from tasks.services.billing import task_billing_check
+
+    task_billing_check(task.pk)
+    slots_release(task.pk, JOB, UPLOAD, reason="vendor lost the job")
+    # A vendor that forgot its jobs forgot its uploads too: upload again rather than be told so.
+    task_update(task.pk, state=S.RECONCILING, generation=task.generation, upload_id="", upload_expires_at=None)
+    retry_or_fallback(task, Failure(Outcome.NOT_PROCESSED, code="vendor_lost_job", error_class="VendorLostJob",
+                                    message="the vendor lost the job; the operation is sent again"),
+                      source=S.RECONCILING)
+    return "vendor_lost_job"
 
 
 def _choose_job(jobs: list[JobView], task: Task) -> JobView:
@@ -671,16 +815,12 @@ def _choose_job(jobs: list[JobView], task: Task) -> JobView:
 
 
 def _reconciled_none(task: Task, why: str) -> str:
-    from tasks.vendor.classification import Row
-
     slots_release(task.pk, JOB, UPLOAD, reason="reconciled: no vendor job")
-    err = VendorError(Row(Outcome.NOT_PROCESSED, False, why), operation="reconcile",
-                      code=task.error_code or "reconciled_none", error_class="Reconciled")
-    if task.error_code == "execution_timeout":
-        retry_or_fallback(task, err, source=S.RECONCILING, new_operation=True)
-    else:
-        # Resubmit with the same key: the vendor provably holds nothing for it.
-        retry_or_fallback(task, err, source=S.RECONCILING)
+    failure = Failure(Outcome.NOT_PROCESSED, code=task.error_code or "reconciled_none", message=why,
+                      error_class="Reconciled")
+    # Resubmit with the same key: the vendor provably holds nothing for it (after a timeout the
+    # operation starts afresh).
+    retry_or_fallback(task, failure, source=S.RECONCILING, new_operation=task.error_code in STOP_FIRST)
     return "none_found"
 
 

@@ -17,6 +17,7 @@ from tasks.models import Attempt, DeadLetter, Notification, Task
 from tasks.scheduling.budgets import slots_release
 from tasks.states import TERMINAL_STATES, State
 
+WAITING_DEFAULTS = {State.RETRY_WAIT: "retry_backoff", State.RECONCILING: "reconciling"}
 EVENT_TYPES = {
     State.SUCCEEDED: "task.succeeded",
     State.FAILED: "task.failed",
@@ -45,6 +46,8 @@ def task_move(
         fields.setdefault("finished_at", now)
         fields.setdefault("due_at", None)
         fields.setdefault("phase", "")
+    # Why a task waits is written with the move into a waiting state and cleared by any other.
+    fields.setdefault("waiting_reason", WAITING_DEFAULTS.get(target, ""))
     with transaction.atomic():
         moved = lifecycle.transition(
             task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,

@@ -36,6 +36,7 @@ def task_replay(*, task: Task, actor: str, lane_name: str | None = None, params:
         queue_deadline_at=now + timescale.delta(lane.queue_deadline_s), deadline_at=now + timedelta_s(original),
         error_code="", error_message="", error_retryable=False, channel_attempts=0, abandoned_channels=[],
         poll_interval_s=0, poll_deadline_at=None, vendor_job=None, phase="", lease_owner="", lease_expires_at=None,
+        fetch_attempts=0, reconcile_rounds=0,
     )
     if params is not None:
         fields["params"] = {**task.params, **params}

@@ -24,7 +24,13 @@ from tasks.models import ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
 from tasks.vendor import breaker
 from tasks.vendor.classification import Outcome, Row, classify_exception, classify_status
-from tasks.vendor.errors import BreakerOpen, StopUpload, UploadDeadlineExceeded, VendorError
+from tasks.vendor.errors import (
+    BreakerOpen,
+    MalformedResponse,
+    StopUpload,
+    UploadDeadlineExceeded,
+    VendorError,
+)
 from tasks.vendor.policies import BreakerPolicy, TimeoutPolicy, parse_retry_after
 
 CHUNK = 64 * 1024
@@ -32,6 +38,7 @@ CHUNK = 64 * 1024
 # small, so the wall-clock deadline governs the upload rather than megabytes queued in the kernel.
 SEND_BUFFER = 128 * 1024
 MUTATIONS = frozenset({"create_job", "cancel_job"})
+JOB_STATUSES = frozenset({"queued", "processing", "completed", "failed", "canceled"})
 _OK = Row(Outcome.OK, False, "ok")
 _clients: dict[tuple[int, str], httpx.Client] = {}
 
@@ -58,13 +65,20 @@ class JobView:
         return self.status in ("completed", "failed", "canceled")
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> JobView:
+    def from_json(cls, data: Any) -> JobView:
+        """A job object as the contract defines it; MalformedResponse when it is not one."""
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str) or not data["id"]:
+            raise MalformedResponse("a job without an id")
+        if data.get("status") not in JOB_STATUSES:
+            raise MalformedResponse(f"a job with status {str(data.get('status'))[:20]!r}")
         result = data.get("result") or {}
         error = data.get("error") or {}
         billing = data.get("billing") or {}
+        if not all(isinstance(part, dict) for part in (result, error, billing, data.get("input") or {})):
+            raise MalformedResponse("a job whose result, error, input or billing is not an object")
         return cls(
-            id=str(data["id"]),
-            status=str(data["status"]),
+            id=data["id"],
+            status=data["status"],
             client_ref=str(data.get("client_ref") or ""),
             input_sha256=str((data.get("input") or {}).get("sha256") or ""),
             result_sha256=result.get("sha256"),
@@ -130,9 +144,8 @@ class VendorClient:
                client_ref: str = "") -> UploadReceipt:
         # X-Client-Ref is not part of the contract; it only lets a vendor's logs tie the upload to the job.
         headers = {"X-Client-Ref": client_ref} if client_ref else None
-        data = self._send_file("upload", "POST", "/v1/uploads", path, size=size, sha256=sha256, on_chunk=on_chunk,
-                               headers=headers)
-        return UploadReceipt(upload_id=str(data["upload_id"]), expires_at=data.get("expires_at"))
+        return self._send_file("upload", "POST", "/v1/uploads", path, size=size, sha256=sha256, on_chunk=on_chunk,
+                               headers=headers, parse=_upload_receipt)
 
     def create_job(
         self,
@@ -158,9 +171,9 @@ class VendorClient:
                 params["options"] = json.dumps(options, sort_keys=True)
             if callback_url:
                 params["callback_url"] = callback_url
-            response = self._send_file(
+            return self._send_file(
                 "create_job", "POST", "/v1/jobs", inline_path, size=size, sha256=sha256,
-                on_chunk=on_chunk, params=params, headers=headers, raw=True,
+                on_chunk=on_chunk, params=params, headers=headers, parse=_created,
             )
         else:
             body = {
@@ -172,17 +185,13 @@ class VendorClient:
             }
             if callback_url:
                 body["callback_url"] = callback_url
-            response = self._call(
-                "create_job", "POST", "/v1/jobs", json=body, headers=headers,
-                timeout=self._timeout(self.timeouts.acceptance_wait_s()), raw=True,
-            )
-        return Created(
-            job=JobView.from_json(response.json()),
-            replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true",
+        return self._call(
+            "create_job", "POST", "/v1/jobs", json=body, headers=headers,
+            timeout=self._timeout(self.timeouts.acceptance_wait_s()), parse=_created,
         )
 
     def get_job(self, job_id: str) -> JobView:
-        return JobView.from_json(self._call("get_job", "GET", f"/v1/jobs/{job_id}"))
+        return self._call("get_job", "GET", f"/v1/jobs/{job_id}", parse=_job)
 
     def list_jobs(self, client_ref: str) -> list[JobView]:
         jobs: list[JobView] = []
@@ -191,15 +200,15 @@ class VendorClient:
             params = {"client_ref": client_ref, "limit": 100}
             if cursor:
                 params["cursor"] = cursor
-            page = self._call("list_jobs", "GET", "/v1/jobs", params=params)
-            jobs.extend(JobView.from_json(item) for item in page.get("data", []))
-            cursor = page.get("next_cursor")
+            page = self._call("list_jobs", "GET", "/v1/jobs", params=params, parse=_job_page)
+            jobs.extend(page.jobs)
+            cursor = page.next_cursor
             if not cursor:
                 break
         return jobs
 
     def cancel_job(self, job_id: str) -> JobView:
-        return JobView.from_json(self._call("cancel_job", "POST", f"/v1/jobs/{job_id}/cancel"))
+        return self._call("cancel_job", "POST", f"/v1/jobs/{job_id}/cancel", parse=_job)
 
     def usage(self, *, since: str | None = None, cursor: str | None = None, limit: int = 500) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
@@ -207,7 +216,7 @@ class VendorClient:
             params["since"] = since
         if cursor:
             params["cursor"] = cursor
-        return self._call("usage", "GET", "/v1/usage", params=params)
+        return self._call("usage", "GET", "/v1/usage", params=params, parse=_usage_page)
 
     def probe(self) -> None:
         """A cheap read used as a half-open trial call."""
@@ -259,7 +268,7 @@ class VendorClient:
         on_chunk: Callable[[int], None] | None,
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
-        raw: bool = False,
+        parse: Callable[[httpx.Response], Any] | None = None,
     ) -> Any:
         budget_s = timescale.seconds(self.timeouts.upload_budget_s(size))
         deadline = time.monotonic() + budget_s
@@ -289,7 +298,7 @@ class VendorClient:
         timeout = self._timeout(self.timeouts.acceptance_wait_s(), write_s=self.timeouts.upload_budget_s(size))
         return self._call(
             operation, method, path, content=chunks(), headers=all_headers, params=params,
-            timeout=timeout, raw=raw, sent_counter=sent,
+            timeout=timeout, parse=parse, sent_counter=sent,
         )
 
     def _call(
@@ -303,10 +312,12 @@ class VendorClient:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
-        raw: bool = False,
+        parse: Callable[[httpx.Response], Any] | None = None,
         consume: Callable[[httpx.Response], Any] | None = None,
         sent_counter: list[int] | None = None,
     ) -> Any:
+        """One call. A success is parsed (`parse`, default JSON) or streamed (`consume`) here, so a
+        body that is not what the contract promises fails as MalformedResponse, classified."""
         if connection.in_atomic_block:
             raise RuntimeError("no vendor call may be made inside a database transaction")
         try:
@@ -327,17 +338,27 @@ class VendorClient:
             response = self.http.send(request, stream=True)
             try:
                 status = response.status_code
-                if status < 400 and consume is not None:
+                if 200 <= status < 300 and consume is not None:
                     result = consume(response)
                     received = int(response.num_bytes_downloaded)
                 else:
                     response.read()
                     received = len(response.content)
                     result = None
+                if 200 <= status < 300 and consume is None:
+                    result = parse(response) if parse is not None else _json_object(response)
             finally:
                 response.close()
         except StopUpload:
             raise
+        except MalformedResponse as exc:
+            row = classify_exception("MalformedResponse")
+            self._record(operation, row, status=status, error_class="MalformedResponse",
+                         duration=time.monotonic() - started, sent=(sent_counter or [0])[0], received=received,
+                         permit=permit)
+            raise VendorError(row, operation=operation, status=status, code="malformed_response",
+                              error_class="MalformedResponse", detail=str(exc)[:200],
+                              bytes_sent=(sent_counter or [0])[0]) from None
         except Exception as exc:
             row = classify_exception(exc)
             duration = time.monotonic() - started
@@ -350,7 +371,14 @@ class VendorClient:
             raise error from None
         duration = time.monotonic() - started
         sent = (sent_counter or [0])[0]
-        if status >= 400:
+        if 300 <= status < 400:
+            row = classify_status(status)
+            location = response.headers.get("Location", "")[:200]
+            self._record(operation, row, status=status, duration=duration, sent=sent, received=received,
+                         permit=permit, code="redirected")
+            raise VendorError(row, operation=operation, status=status, code="redirected", bytes_sent=sent,
+                              detail=f"HTTP {status} to {location or '(no Location)'}")
+        if status >= 400 or status < 200:
             code = _problem_code(response)
             row = classify_status(status, code)
             retry_after = parse_retry_after(response.headers.get("Retry-After"), date_header=response.headers.get("Date"))
@@ -362,11 +390,7 @@ class VendorClient:
                          retry_after=retry_after, permit=permit, code=code)
             raise VendorError(row, operation=operation, status=status, code=code, retry_after_s=retry_after, bytes_sent=sent)
         self._record(operation, _OK, status=status, duration=duration, sent=sent, received=received, permit=permit)
-        if consume is not None:
-            return result
-        if raw:
-            return response
-        return response.json()
+        return result
 
     def _record(
         self,
@@ -419,6 +443,61 @@ class VendorClient:
         )
         if counted:
             breaker.record(self.channel, permit, failure=(failure and counts) or (slow and counts))
+
+
+@dataclass(frozen=True)
+class JobPage:
+    jobs: list[JobView]
+    next_cursor: str | None
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        raise MalformedResponse(f"a {response.status_code} whose body is not JSON") from None
+    if not isinstance(data, dict):
+        raise MalformedResponse(f"a {response.status_code} whose body is not a JSON object")
+    return data
+
+
+def _cursor(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, int)):
+        raise MalformedResponse("a page whose next_cursor is not a string")
+    return str(value)
+
+
+def _job(response: httpx.Response) -> JobView:
+    return JobView.from_json(_json_object(response))
+
+
+def _created(response: httpx.Response) -> Created:
+    return Created(job=_job(response), replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true")
+
+
+def _upload_receipt(response: httpx.Response) -> UploadReceipt:
+    data = _json_object(response)
+    if not isinstance(data.get("upload_id"), str) or not data["upload_id"]:
+        raise MalformedResponse("an upload answer without an upload_id")
+    expires = data.get("expires_at")
+    return UploadReceipt(upload_id=data["upload_id"], expires_at=expires if isinstance(expires, str) else None)
+
+
+def _job_page(response: httpx.Response) -> JobPage:
+    data = _json_object(response)
+    if not isinstance(data.get("data"), list):
+        raise MalformedResponse("a job list without a data list")
+    return JobPage(jobs=[JobView.from_json(item) for item in data["data"]], next_cursor=_cursor(data.get("next_cursor")))
+
+
+def _usage_page(response: httpx.Response) -> dict[str, Any]:
+    data = _json_object(response)
+    entries = data.get("data")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and e.get("entry_id") for e in entries):
+        raise MalformedResponse("a usage page without a data list of entries")
+    return {"data": entries, "next_cursor": _cursor(data.get("next_cursor"))}
 
 
 def _decision(operation: str, outcome: Outcome) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.vendor.classification import Outcome, Row
+from tasks.vendor.classification import Failure, Outcome, Row
 
 
 class VendorError(Exception):
@@ -18,8 +18,10 @@ class VendorError(Exception):
         error_class: str = "",
         retry_after_s: float | None = None,
         bytes_sent: int = 0,
+        detail: str = "",
     ) -> None:
-        super().__init__(row.message)
+        super().__init__(f"{row.message}: {detail}" if detail else row.message)
+        self.detail = detail
         self.row = row
         self.outcome: Outcome = row.outcome
         self.operation = operation
@@ -31,15 +33,27 @@ class VendorError(Exception):
 
     @property
     def message(self) -> str:
-        return self.row.message
+        return f"{self.row.message}: {self.detail}" if self.detail else self.row.message
 
     @property
     def is_timeout(self) -> bool:
         return "Timeout" in self.error_class or self.error_class == "UploadDeadlineExceeded"
 
+    @property
+    def failure(self) -> Failure:
+        return Failure(
+            outcome=self.outcome, code=self.code, message=self.message, error_class=self.error_class,
+            retry_after_s=self.retry_after_s, flow_control=self.row.flow_control, timeout=self.is_timeout,
+            breaker_open=self.error_class == "BreakerOpen", unavailable=self.row.unavailable,
+        )
+
 
 class UploadDeadlineExceeded(Exception):
     """The whole upload took longer than its wall-clock deadline."""
+
+
+class MalformedResponse(Exception):
+    """The vendor answered success with a body that is not what the contract promises."""
 
 
 class BreakerOpen(Exception):

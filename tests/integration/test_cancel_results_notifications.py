@@ -199,7 +199,10 @@ def test_spent_retries_land_in_dead_letters_by_reference_and_replay_keeps_the_ta
 
     primary_only()
     VendorChannel.objects.filter(name="primary").update(max_attempts=2)
-    rule = inline_queue.control.add_rule({"endpoint": "POST /v1/uploads", "type": "http_error", "params": {"status": 503}})
+    # Jobs the vendor runs and fails (billed each time): retried, but not without end. (A failure
+    # that was provably not processed waits for recovery instead: test_money_paths.)
+    rule = inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "job_fail",
+                                          "params": {"code": "engine_busy", "retryable": True}})
     task = run_until(submit_file(api, name="SECRET-NAME-4711.wav"))
     assert task.state == "FAILED" and task.error_code == "retries_exhausted"
     letter = DeadLetter.objects.get(task=task)

@@ -7,7 +7,7 @@ import pytest
 
 from tasks.models import DuplicateIncident, Task, TaskEvent, VendorCall, VendorChannel, VendorJob
 from tasks.poc import files
-from tests.conftest import TEST_TIME_SCALE, run_until
+from tests.conftest import TEST_TIME_SCALE, run_until, wait_for
 from tests.support.flows import submit_file
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -55,16 +55,20 @@ def test_key_in_use_409_is_retried_with_the_same_key(inline_queue, api):
     assert len({c["idempotency_key"] for c in journal_for(inline_queue, "POST /v1/jobs")}) == 1
 
 
-def test_connect_errors_are_retried_and_recorded_as_not_processed(inline_queue, api):
+def test_connect_errors_are_retried_then_wait_for_the_vendor_to_come_back(inline_queue, api):
     primary_only()
     from tasks.system import free_port
 
     VendorChannel.objects.filter(name="primary").update(base_url=f"http://127.0.0.1:{free_port()}/primary", max_attempts=2)
-    task = run_until(submit_file(api))
-    assert task.state == "FAILED" and task.error_code == "retries_exhausted"
+    from tasks.scheduling.dispatch import tick
+
+    task_id = submit_file(api)
+    task = wait_for(lambda: tick() and Task.objects.filter(pk=task_id).exclude(waiting_reason="retry_backoff")
+                    .exclude(state__in=["ACCEPTED", "QUEUED", "RUNNING"]).first(), message="the retries to end")
+    assert task.state == "RETRY_WAIT" and task.waiting_reason == "all_channels_down"
     calls = VendorCall.objects.filter(task=task, operation="upload")
     assert calls.count() == 2 and set(calls.values_list("outcome", flat=True)) == {"not_processed"}
-    assert task.dead_letters.count() == 1
+    assert not task.dead_letters.exists()
 
 
 def test_a_reset_in_the_middle_of_an_upload_replays_the_file_from_byte_zero(inline_queue, api):

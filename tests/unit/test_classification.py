@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from tasks.vendor.classification import TABLE, Outcome, classify_exception, classify_status
-from tasks.vendor.errors import UploadDeadlineExceeded
+from tasks.vendor.errors import MalformedResponse, UploadDeadlineExceeded
 
 NP, AMB, REF, ALARM = Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS, Outcome.REFUSED, Outcome.ALARM
 
@@ -20,6 +20,7 @@ EXCEPTIONS = [
     (httpx.WriteError("x"), AMB),
     (httpx.WriteTimeout("x"), AMB),
     (UploadDeadlineExceeded(), AMB),
+    (MalformedResponse("a job without an id"), AMB),
 ]
 STATUSES = [
     (409, "idempotency_key_in_use", NP),
@@ -38,6 +39,7 @@ STATUSES = [
     (413, "file_too_large", REF),
     (415, "unsupported_format", REF),
     (422, "invalid_options", REF),
+    *((status, None, REF) for status in (301, 302, 303, 307, 308)),
 ]
 
 
@@ -59,6 +61,16 @@ def test_every_row_of_the_table_is_covered_by_a_test_above():
             assert row.exception in covered_exceptions, row
         else:
             assert (row.status, row.code) in covered_statuses, row
+
+
+def test_redirects_are_refusals_whatever_their_status():
+    assert classify_status(399).outcome == REF and classify_status(304).outcome == REF
+
+
+def test_only_failures_that_say_the_channel_cannot_take_work_at_all_start_an_outage_wait():
+    waiting = {r.exception or r.status for r in TABLE if r.unavailable}
+    assert waiting == {"ConnectError", "ConnectTimeout", "RefusedStream", "BreakerOpen", 429, 503}
+    assert all(r.outcome == NP for r in TABLE if r.unavailable)
 
 
 def test_refusals_never_count_against_the_breaker():

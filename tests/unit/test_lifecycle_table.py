@@ -11,7 +11,7 @@ ALLOWED = {
     (State.ACCEPTED, State.QUEUED), (State.ACCEPTED, State.FAILED), (State.ACCEPTED, State.CANCELLED),
     (State.ACCEPTED, State.EXPIRED),
     (State.QUEUED, State.RUNNING), (State.QUEUED, State.CANCELLED), (State.QUEUED, State.EXPIRED),
-    (State.QUEUED, State.FAILED),
+    (State.QUEUED, State.FAILED), (State.QUEUED, State.RETRY_WAIT),
     (State.RUNNING, State.SUCCEEDED), (State.RUNNING, State.RETRY_WAIT), (State.RUNNING, State.RECONCILING),
     (State.RUNNING, State.FAILED), (State.RUNNING, State.CANCEL_REQUESTED),
     (State.RETRY_WAIT, State.QUEUED), (State.RETRY_WAIT, State.CANCELLED), (State.RETRY_WAIT, State.FAILED),
