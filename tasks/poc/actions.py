@@ -144,3 +144,19 @@ def cancel_while_fetching(*, within_nominal_s: float = 5.0) -> Callable:
             timer.start()
 
     return act
+
+
+def vendor_forgets(ctx) -> None:
+    """The vendor loses its memory of every upload, job and key (its ledger stays)."""
+    forgotten = ctx.control.amnesia()["forgotten"]
+    ctx.notes.setdefault("vendor_forgot", []).append({"at_s": round(ctx.elapsed_nominal(), 1), **forgotten})
+
+
+def jobs_in_flight(count: int) -> Callable:
+    """At least `count` of the run's tasks are waiting on a vendor job."""
+
+    def ready(ctx) -> bool:
+        ids = [a.id for a in ctx.accepted]
+        return Task.objects.filter(pk__in=ids, state=State.RUNNING, phase=Task.Phase.POLL).count() >= count
+
+    return ready

@@ -259,5 +259,67 @@ SCENARIOS += [
 ]
 
 
+# --- what an independent vendor found (issue 13) ------------------------------------------------------
+SCENARIOS += [
+    Scenario(
+        name="vendor-amnesia",
+        summary="the vendor forgets every job mid-run (as after a restart): every task ends within its deadline, "
+                "none spins, requests per task stay bounded, billing per task is reported",
+        tasks=30,
+        workload=[Submit(share=0.7), Submit(share=0.3, priority="batch")],
+        faults=[{"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": "reset"}, "probability": 0.2}],
+        vendor_channels={"primary": {"processing_ms": 6000}, "fallback": {"processing_ms": 6000}},
+        channels={"primary": {**ROOMY, "upload_buffer_s": 2, "status_timeout_s": 2}, "fallback": ROOMY},
+        actions=[
+            Action("the vendor restarts and forgets every job", do=actions.vendor_forgets, when=actions.jobs_in_flight(8)),
+            Action("and forgets again later", do=actions.vendor_forgets, at_s=120),
+        ],
+        checks=[C.all_succeeded, C.vendor_lost_jobs_handled, C.requests_per_task_under(40),
+                C.noted("vendor_forgot", "vendor_forgot", "the vendor forgot its jobs mid-run")],
+    ),
+    Scenario(
+        name="result-rate-limited",
+        summary="429s on result downloads: completed jobs are fetched (Retry-After first), never abandoned or "
+                "replaced by a new billed job",
+        tasks=24,
+        workload=[Submit(share=1.0)],
+        faults=[{"endpoint": "GET /v1/jobs/*/result", "type": "rate_limit", "params": {"retry_after_s": 8},
+                 "probability": 0.6}],
+        # A poll budget shorter than the downloads' waits: a completed job must outlive it.
+        channels={"primary": {**ROOMY, "poll_budget_s": 20}, "fallback": {"enabled": False}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.completed_jobs_fetched, C.downloads_not_repolled,
+                C.retries_waited_retry_after],
+    ),
+    Scenario(
+        name="garbled-response",
+        summary="3xx answers and malformed 2xx bodies: classified, no task left without lease and due time",
+        tasks=30,
+        workload=[Submit(share=1.0)],
+        faults=[
+            {"endpoint": "POST /v1/uploads", "type": "redirect", "params": {"status": 302}, "probability": 0.1, "priority": 2},
+            {"endpoint": "POST /v1/uploads", "type": "malformed", "params": {"body": "missing_fields"}, "probability": 0.15},
+            {"endpoint": "POST /v1/jobs", "type": "malformed", "params": {"body": "not_json"}, "probability": 0.2},
+            {"endpoint": "GET /v1/jobs/*", "type": "malformed", "params": {"body": "wrong_types"}, "probability": 0.2},
+            {"endpoint": "GET /v1/jobs", "type": "malformed", "params": {"body": "truncated_json"}, "probability": 0.2},
+        ],
+        channels={"primary": {**ROOMY, "max_attempts": 10}, "fallback": {"enabled": False}},
+        checks=[C.malformed_answers_classified, C.one_billed_job_per_task,
+                partial(C.outcomes_by_error, allowed={"SUCCEEDED": ("",), "FAILED": ("redirected",)})],
+    ),
+    Scenario(
+        name="dual-outage-wait",
+        summary="both channels answer 503 for a while, then recover: tasks wait durably (all_channels_down) and "
+                "all succeed, no dead letters",
+        tasks=20,
+        workload=[Submit(share=0.6), Submit(share=0.4, priority="batch")],
+        faults=[{"id": "outage", "endpoint": "* *", "type": "http_error", "params": {"status": 503, "code": "unavailable"}}],
+        channels={"primary": ROOMY, "fallback": ROOMY},
+        actions=[Action("both vendors recover after three minutes", do=actions.vendor_recovers("outage", wait_nominal_s=0),
+                        at_s=180)],
+        checks=[C.all_succeeded, C.no_dead_letters, C.waited_for("all_channels_down"), C.one_billed_job_per_task],
+    ),
+]
+
+
 def by_name() -> dict[str, Scenario]:
     return {s.name: s for s in SCENARIOS}

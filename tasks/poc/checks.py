@@ -30,17 +30,36 @@ def lost_tasks(ev: Evidence) -> Result:
 
 
 def undetected_duplicate_billing(ev: Evidence) -> Result:
-    """Jobs billed for one operation beyond the first that Sluice did not report."""
-    detected: dict[tuple[str, str], set[str]] = defaultdict(set)
+    """Jobs the vendor billed for one task — across every channel, attempt and client_ref — beyond
+    the first, that Sluice's incident for the task does not name."""
+    named: dict[str, set[str]] = {}
     for incident in ev.incidents:
-        detected[(incident.channel_id, incident.client_ref)].update(incident.duplicate_job_ids)
-        detected[(incident.channel_id, incident.client_ref)].add(incident.kept_job_id)
+        named[str(incident.task_id)] = {*incident.duplicate_job_ids, incident.kept_job_id}
     undetected = 0
-    for dup in ev.invariants.get("duplicate_billed_client_refs", []):
-        jobs = set(dup["jobs"])
-        known = detected.get((dup["channel"], dup["client_ref"]), set())
-        undetected += len(jobs) - 1 if not known else len(jobs - known)
-    return Result("undetected_duplicate_billing", undetected == 0, undetected, "== 0")
+    over = 0
+    for task_id, jobs in ev.billed_by_task().items():
+        if len(jobs) < 2:
+            continue
+        over += 1
+        known = named.get(task_id)
+        undetected += len(jobs) - 1 if not known else len({j for _, j in jobs} - known)
+    return Result("undetected_duplicate_billing", undetected == 0, undetected, "== 0",
+                  f"{over} task(s) billed more than once, per the vendor's ledger" if over else "")
+
+
+def unattended_tasks(ev: Evidence) -> Result:
+    """Non-terminal tasks with neither a lease nor a due time: nothing would ever move them.
+
+    QUEUED tasks waiting for admission are due whenever their lane has room (the dispatcher looks
+    at each of them every tick), and so are deferred ACCEPTED ones; a dispatched start has its
+    message out (resent if lost)."""
+    bad = [
+        t for t in ev.tasks.values()
+        if t.state not in TERMINAL_STATES and t.due_at is None and t.lease_expires_at is None
+        and t.state != State.QUEUED and not (t.state == State.ACCEPTED and t.deferred)
+    ]
+    detail = "; ".join(f"{t.pk} {t.state}/{t.phase or '-'}" for t in bad[:3])
+    return Result("unattended_tasks", not bad, len(bad), "== 0", detail)
 
 
 def budget_violations(ev: Evidence) -> Result:
@@ -100,7 +119,8 @@ def secrets_in_logs(ev: Evidence) -> Result:
     return Result("secrets_in_logs", observed == 0, observed, "== 0", detail)
 
 
-COMMON = (lost_tasks, undetected_duplicate_billing, budget_violations, late_writes_accepted, secrets_in_logs)
+COMMON = (lost_tasks, undetected_duplicate_billing, budget_violations, late_writes_accepted, secrets_in_logs,
+          unattended_tasks)
 
 
 # --- building blocks for scenarios -----------------------------------------------------------------------
@@ -113,14 +133,86 @@ def all_succeeded(ev: Evidence, *, phase: str | None = None) -> Result:
 
 
 def one_billed_job_per_task(ev: Evidence) -> Result:
-    """Each task was billed exactly once (no retry, reconcile or fallback paid twice)."""
-    by_task: dict[str, int] = defaultdict(int)
+    """Each succeeded task was billed exactly once (no retry, reconcile or fallback paid twice),
+    and nothing else was billed, per the vendor's ledger."""
+    billed = ev.billed_by_task()
+    succeeded = {tid for tid, t in ev.tasks.items() if t.state == State.SUCCEEDED}
+    twice = sorted(tid for tid, jobs in billed.items() if len(jobs) > 1)
+    others = sum(len(jobs) for tid, jobs in billed.items() if tid not in succeeded)
+    total = ev.invariants.get("billed_jobs", 0)
+    ok = not twice and others == 0 and total == len(succeeded)
+    return Result("one_billed_job_per_task", ok, total, f"== {len(succeeded)} (succeeded tasks)",
+                  f"billed twice: {twice[:3]}; billed for unsucceeded tasks: {others}" if not ok else "")
+
+
+def completed_jobs_fetched(ev: Evidence) -> Result:
+    """No job the vendor completed (and billed) was left unfetched for a task that wanted it."""
+    ids = set(ev.tasks)
+    left = [j for j in ev.invariants.get("billed_never_fetched", [])
+            if (j.get("client_ref") or "").rsplit("-", 1)[0] in ids
+            and j["job_id"] not in {dup for i in ev.incidents for dup in i.duplicate_job_ids}]
+    return Result("completed_jobs_abandoned", not left, len(left), "== 0", "; ".join(j["job_id"] for j in left[:3]))
+
+
+def downloads_not_repolled(ev: Evidence) -> Result:
+    """Once a job's result download began, a failed download was retried as a download: the job
+    was not polled again."""
+    first_download: dict[str, float] = {}
     for entry in ev.journal:
-        if entry["endpoint"] == "POST /v1/jobs" and entry["status"] in (201, None) and entry["job_id"]:
-            by_task[(entry["client_ref"] or "").rsplit("-", 1)[0]] += 1
-    billed = ev.invariants.get("billed_jobs", 0)
-    succeeded = sum(1 for t in ev.tasks.values() if t.state == State.SUCCEEDED)
-    return Result("one_billed_job_per_task", billed == succeeded, billed, f"== {succeeded} (succeeded tasks)")
+        if entry["endpoint"] == "GET /v1/jobs/*/result" and entry["job_id"]:
+            first_download.setdefault(entry["job_id"], entry["ts"])
+    repolled = {e["job_id"] for e in ev.journal if e["endpoint"] == "GET /v1/jobs/*" and e["job_id"] in first_download
+                and e["ts"] > first_download[e["job_id"]]}
+    failed = sum(1 for e in ev.journal if e["endpoint"] == "GET /v1/jobs/*/result" and e["status"] != 200)
+    return Result("downloads_retried_without_polling", not repolled and failed > 0,
+                  {"repolled_jobs": len(repolled), "failed_downloads": failed}, "repolled == 0, failed > 0")
+
+
+def no_dead_letters(ev: Evidence) -> Result:
+    from tasks.models import DeadLetter
+
+    count = DeadLetter.objects.filter(task_id__in=list(ev.tasks)).count()
+    return Result("dead_letters", count == 0, count, "== 0")
+
+
+def waited_for(reason: str) -> Any:
+    """Some task waited durably with this waiting reason."""
+
+    def check(ev: Evidence) -> Result:
+        tasks = {tid for tid, events in ev.events.items() if any((e.data or {}).get("waiting_reason") == reason for e in events)}
+        return Result(f"waited_{reason}", bool(tasks), len(tasks), "> 0 tasks")
+
+    return check
+
+
+def requests_per_task_under(bound: float) -> Any:
+    def check(ev: Evidence) -> Result:
+        per_task = len(ev.journal) / max(len(ev.tasks), 1)
+        return Result("vendor_requests_per_task", per_task <= bound, round(per_task, 2), f"<= {bound}",
+                      f"{len(ev.journal)} requests for {len(ev.tasks)} tasks")
+
+    return check
+
+
+def vendor_lost_jobs_handled(ev: Evidence) -> Result:
+    """Jobs the vendor forgot were noticed as lost (not polled forever) and reported in billing."""
+    lost = [j for j in ev.vendor_jobs if j.status == "lost"]
+    reported = {dup for i in ev.incidents for dup in i.duplicate_job_ids}
+    unreported = [j.vendor_job_id for j in lost if j.vendor_job_id not in reported]
+    return Result("vendor_lost_jobs_reported", bool(lost) and not unreported,
+                  {"lost": len(lost), "unreported": len(unreported)}, "lost > 0, unreported == 0")
+
+
+def malformed_answers_classified(ev: Evidence) -> Result:
+    calls = VendorCall.objects.filter(task_id__in=list(ev.tasks))
+    malformed = calls.filter(error_class="MalformedResponse")
+    by_decision = {d: malformed.filter(decision=d).count() for d in ("reconcile", "retry")}
+    redirected = calls.filter(status_code__gte=300, status_code__lt=400)
+    refused = redirected.filter(decision="fail").count()
+    ok = malformed.exists() and redirected.exists() and refused == redirected.count() and by_decision["reconcile"] > 0
+    return Result("garbled_answers_classified", ok,
+                  {"malformed": malformed.count(), **by_decision, "redirects": redirected.count(), "redirects_refused": refused},
+                  "malformed > 0 (creates reconciled, reads retried), every redirect refused")
 
 
 def reconciliations_adopted_lost_jobs(ev: Evidence) -> Result:
@@ -134,7 +226,9 @@ def retries_waited_retry_after(ev: Evidence) -> Result:
     violations, checked, extra = [], 0, []
     by_key: dict[tuple, list[dict]] = defaultdict(list)
     for entry in ev.journal:
-        key = (entry["endpoint"], entry["client_ref"] or entry["job_id"] or entry["idempotency_key"])
+        # Reads of one job are tied by its id; creates and uploads by the operation's client_ref.
+        ident = entry["job_id"] if "/jobs/*" in entry["endpoint"] else entry["client_ref"] or entry["idempotency_key"]
+        key = (entry["endpoint"], ident)
         if key[1]:
             by_key[key].append(entry)
     for entries in by_key.values():
@@ -446,3 +540,10 @@ def noted(name: str, key: str, expected: str = "recorded") -> Any:
         return Result(name, value is not None, value, expected)
 
     return check
+
+
+def outcomes_by_error(ev: Evidence, allowed: dict[str, tuple[str, ...]]) -> Result:
+    """Every task ended in an allowed state with an allowed error code."""
+    wrong = [f"{t.pk} {t.state} ({t.error_code})" for t in ev.tasks.values()
+             if t.state not in allowed or (t.error_code or "") not in allowed[t.state]]
+    return Result("outcomes_as_expected", not wrong, len(wrong), f"== 0 outside {allowed}", "; ".join(wrong[:3]))

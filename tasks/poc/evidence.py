@@ -40,6 +40,7 @@ class Evidence:
     live_vendor_jobs: int
     journal: list[dict[str, Any]]
     invariants: dict[str, Any]
+    ledger: list[dict[str, Any]] = field(default_factory=list)
     log_files: list[Path] = field(default_factory=list)
 
     @classmethod
@@ -69,6 +70,7 @@ class Evidence:
             live_vendor_jobs=VendorJob.objects.filter(terminal_at__isnull=True, task_id__in=ids).count(),
             journal=ctx.control.journal(),
             invariants=ctx.control.invariants(),
+            ledger=ctx.control.ledger(),
             log_files=logs,
         )
 
@@ -119,6 +121,17 @@ class Evidence:
             and (channel is None or e["channel"] == channel)
         ]
 
+    def billed_by_task(self) -> dict[str, set[tuple[str, str]]]:
+        """The vendor's own ledger, every channel, grouped by the task each entry was billed for
+        (our client_refs are `<task id>-<operation>`): the truth of what was paid, per task."""
+        ids = set(self.tasks)
+        billed: dict[str, set[tuple[str, str]]] = defaultdict(set)
+        for entry in self.ledger:
+            task_id = (entry.get("client_ref") or "").rsplit("-", 1)[0]
+            if task_id in ids:
+                billed[task_id].add((entry["channel"], entry["job_id"]))
+        return billed
+
     def stored_texts(self) -> list[str]:
         """Everything Sluice stored as free text: errors, history, dead letters, quarantine findings."""
         ids = list(self.tasks)
@@ -142,6 +155,8 @@ class Evidence:
             "retries": self.count_events(to_state=State.RETRY_WAIT),
             "reconciliations": self.count_events(to_state=State.RECONCILING),
             "duplicates_detected": sum(len(i.duplicate_job_ids) for i in self.incidents),
+            "billed_jobs_per_task_max": max((len(j) for j in self.billed_by_task().values()), default=0),
+            "tasks_billed_more_than_once": sum(1 for j in self.billed_by_task().values() if len(j) > 1),
             "p95_queue_wait_s": self.p95(waits),
             "median_queue_wait_s": round(statistics.median(waits), 3) if waits else 0.0,
             "rejected_submissions": len(self.ctx.rejected),
