@@ -33,7 +33,7 @@ from tasks.models import (
     VendorChannel,
     VendorJob,
 )
-from tasks.scheduling.dispatch import waiting_reason
+from tasks.scheduling.waiting import waiting_reason
 from tasks.services.operations import TASK_ACTIONS
 
 CONFIGURE = "tasks.configure"
@@ -350,7 +350,7 @@ class VendorChannelAdmin(Configurable):
 
     @admin.display(description="breaker")
     def breaker(self, obj: VendorChannel):
-        from tasks.vendor.breaker import health_for
+        from tasks.vendors.breaker import health_for
 
         return health_for(obj).breaker_state
 
@@ -367,7 +367,7 @@ class VendorChannelAdmin(Configurable):
     def change_view(self, request, object_id, form_url="", extra_context=None):
         from tasks.models import BreakerTransition
         from tasks.services.operations import BREAKER_CHOICES
-        from tasks.vendor.breaker import health_for
+        from tasks.vendors.breaker import health_for
 
         channel = VendorChannel.objects.filter(pk=object_id).first()
         extra_context = {**(extra_context or {})}

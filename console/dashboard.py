@@ -116,7 +116,7 @@ def channel_stats(now=None) -> list[ChannelStats]:
     now = now or timezone.now()
     result = []
     for channel in VendorChannel.objects.all():
-        from tasks.vendor.breaker import health_for
+        from tasks.vendors.breaker import health_for
 
         health = health_for(channel)
         usage = channel_usage(channel)

@@ -13,8 +13,8 @@ from tasks.observability import log_event
 
 
 def run_step(step: str, task_id: str, generation: int) -> str:
-    from tasks.scheduling.dispatch import dispatch_soon
     from tasks.services import execution, intake
+    from tasks.services.dispatch import dispatch_soon
 
     handlers = {
         "precheck": intake.task_precheck_and_route,
@@ -93,7 +93,7 @@ def run_ledger_sync(channel_name: str) -> dict[str, Any]:
 
 def run_sweep() -> dict[str, Any]:
     """The django-q2 schedule's safety net when no dispatcher loop is running."""
-    from tasks.scheduling.dispatch import tick
+    from tasks.services.dispatch import tick
 
     close_old_connections()
     return tick()

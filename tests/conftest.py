@@ -133,7 +133,7 @@ def inline_queue(monkeypatch, vendor):
 def run_until(task_id, *, states=("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"), timeout: float = 30.0):
     """Tick the real dispatcher (with inline_queue: steps run synchronously) until the task is in `states`."""
     from tasks.models import Task
-    from tasks.scheduling.dispatch import tick
+    from tasks.services.dispatch import tick
 
     deadline = time.monotonic() + timeout
     while True:

@@ -21,7 +21,7 @@ from tasks import selectors
 from tasks.api.problems import problem, problem_from
 from tasks.errors import FileTooLarge, InvalidRequest, NotReady, SluiceError
 from tasks.models import FileVersion, InboundVendorEvent, Task, Tenant, VendorChannel, VendorJob
-from tasks.scheduling.dispatch import waiting_reason
+from tasks.scheduling.waiting import waiting_reason
 from tasks.services.cancel import task_cancel
 from tasks.services.intake import file_create, task_submit, validate_submission
 from tasks.services.tenancy import token_authenticate

@@ -15,7 +15,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 django.setup()
 
 from tasks.models import VendorChannel
-from tasks.vendor.client import VendorClient
+from tasks.vendors.client import VendorClient
 
 
 def peak_rss_mb() -> float:

@@ -64,7 +64,7 @@ def configure(scenario: Scenario, *, vendor_url: str | None) -> dict[str, str]:
             values["base_url"] = f"{vendor_url}/{channel.name}"
         if values:
             VendorChannel.objects.filter(pk=channel.pk).update(**values)
-        from tasks.vendor.breaker import reset_retry_budget
+        from tasks.vendors.breaker import reset_retry_budget
 
         reset_retry_budget(VendorChannel.objects.get(pk=channel.pk))
     for name, values in scenario.lanes.items():

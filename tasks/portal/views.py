@@ -12,7 +12,7 @@ from tasks import selectors
 from tasks.api.views import _result_response
 from tasks.errors import SluiceError
 from tasks.portal.forms import SubmitForm
-from tasks.scheduling.dispatch import waiting_reason
+from tasks.scheduling.waiting import waiting_reason
 from tasks.services.cancel import task_cancel
 from tasks.services.intake import SubmitRequest, file_create, task_submit
 from tasks.services.tenancy import tenant_of_user

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.models import Lane
+from django.db.models import Q, QuerySet
+
+from tasks.models import Lane, Task
+from tasks.states import IN_FLIGHT_STATES, State
 
 INTERACTIVE, BATCH, HEAVY, UNKNOWN_RISK = "interactive", "batch", "heavy", "unknown-risk"
 
@@ -56,3 +59,13 @@ class LaneRouting:
 
 
 ROUTING = LaneRouting()
+
+
+def lane_running(lane: Lane) -> QuerySet[Task]:
+    """The lane's tasks holding a slot: in flight, or dispatched and about to start."""
+    return Task.objects.filter(lane=lane).filter(Q(state__in=IN_FLIGHT_STATES) | Q(state=State.QUEUED, dispatched_at__isnull=False))
+
+
+def lane_has_room(lane: Lane) -> bool:
+    waiting = Task.objects.filter(lane=lane, state=State.QUEUED, dispatched_at__isnull=True).count()
+    return waiting < lane.max_queued

@@ -32,10 +32,11 @@ from tasks.models import (
     VendorJob,
 )
 from tasks.observability import log_event
-from tasks.vendor.breaker import health_for
-from tasks.vendor.classification import Outcome
-from tasks.vendor.client import VendorClient
-from tasks.vendor.errors import VendorError
+from tasks.vendors.breaker import health_for
+from tasks.vendors.classification import Outcome
+from tasks.vendors.client import VendorClient
+from tasks.vendors.errors import VendorError
+from tasks.vendors.policies import RetryPolicy
 
 # A ledger sync retries a page this many times, waiting at most this long in all (nominal).
 LEDGER_TRIES_PER_PAGE = 4
@@ -158,8 +159,6 @@ def ledger_sync(*, channel: VendorChannel, page_size: int = 1000, max_pages: int
 
 def _ledger_page(client: VendorClient, *, cursor: str | None, limit: int, deadline: float) -> tuple[dict | None, str | None]:
     """One page, retried within the budget; (page, None) or (None, why it stopped)."""
-    from tasks.vendor.policies import RetryPolicy
-
     policy = RetryPolicy.for_channel(client.channel)
     why = "the time budget"
     for attempt in range(LEDGER_TRIES_PER_PAGE):

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from tasks import timescale
 from tasks.models import IdempotencyRecord, Task
+from tasks.services.billing import billing_reconcile
 from tasks.services.quarantine import quarantine_expire
 from tasks.states import State
 from tasks.storage import result_file
@@ -18,8 +19,6 @@ IDEMPOTENCY_KEEP_S = 48 * 3600
 
 
 def housekeeping() -> dict[str, int]:
-    from tasks.services.billing import billing_reconcile
-
     return {
         **billing_reconcile(),
         "orphan_results": remove_orphan_results(),

@@ -32,9 +32,13 @@ from tasks.lifecycle import task_update
 from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.queueing import send_step_on_commit
-from tasks.scheduling.lanes import ROUTING
+from tasks.scheduling.lanes import ROUTING, lane_has_room
 from tasks.scheduling.quotas import quota_check_submission
+from tasks.services.dispatch import dispatch_soon
+from tasks.services.execution import Lease
+from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
+from tasks.services.quarantine import file_precheck
 from tasks.states import State
 from tasks.storage import store_stream
 
@@ -132,8 +136,6 @@ def validate_submission(data: Any) -> SubmitRequest:
     if not isinstance(callback, str):
         raise InvalidRequest("callback_url must be a string.", field="callback_url")
     if callback:
-        from tasks.services.notifications import callback_url_validate
-
         callback_url_validate(callback)
     return SubmitRequest(
         file_id=file_id, kind=kind, target_format=target, params=params, priority=priority,
@@ -292,9 +294,6 @@ def _uuid_or_none(value: str):
 # --- after acceptance: pre-check and routing ---------------------------------------------------
 def task_precheck_and_route(task_id: Any, generation: int) -> str:
     """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's workers."""
-    from tasks.services.execution import Lease
-    from tasks.services.quarantine import file_precheck
-
     task = Task.objects.select_related("file", "lane", "tenant").filter(pk=task_id).first()
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
         return "stale"
@@ -326,8 +325,6 @@ def task_precheck_and_route(task_id: Any, generation: int) -> str:
     released = bool(findings.get("released"))
     lane = Lane.objects.get(pk=ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released))
     units = _estimated_units(task.kind, findings)
-    from tasks.scheduling.dispatch import dispatch_soon, lane_has_room
-
     if task.deferred or not lane_has_room(lane):
         task_update(task.pk, state=State.ACCEPTED, generation=generation, lane=lane, deferred=True,
                     estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None)

@@ -13,9 +13,10 @@ from tasks.lifecycle import task_update
 from tasks.models import ChannelHealth, DeadLetter, Lane, Task, VendorChannel
 from tasks.services.audit import audit
 from tasks.services.cancel import task_cancel
+from tasks.services.dispatch import dispatch_soon
 from tasks.services.replay import replay_refusal, task_replay
 from tasks.states import TERMINAL_STATES, State
-from tasks.vendor import breaker
+from tasks.vendors import breaker
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,6 @@ def lane_change(*, lane: Lane, actor: str, **changes) -> Lane:
           detail={"before": before, "after": changes})
     lane.refresh_from_db()
     if not lane.paused:
-        from tasks.scheduling.dispatch import dispatch_soon
-
         dispatch_soon(lane.pk)
     return lane
 

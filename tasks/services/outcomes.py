@@ -15,6 +15,7 @@ from django.utils import timezone
 from tasks import lifecycle
 from tasks.models import Attempt, DeadLetter, Notification, Task
 from tasks.scheduling.budgets import slots_release
+from tasks.services.notifications import event_payload
 from tasks.states import TERMINAL_STATES, State
 
 WAITING_DEFAULTS = {State.RETRY_WAIT: "retry_backoff", State.RECONCILING: "reconciling"}
@@ -79,8 +80,6 @@ def _notification_outbox(task_id: Any, target: State) -> None:
     url = task.callback_url or task.tenant.callback_url
     if not url:
         return
-    from tasks.services.notifications import event_payload
-
     Notification.objects.get_or_create(
         task=task,
         event_type=EVENT_TYPES[target],

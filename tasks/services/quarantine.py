@@ -16,6 +16,8 @@ from django.utils import timezone
 from tasks.models import AuditEntry, FileVersion, Quarantine, Task
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
+from tasks.precheck.sandbox import run_precheck
+from tasks.services.replay import task_replay
 from tasks.states import State
 
 RETENTION_DAYS = 30
@@ -25,8 +27,6 @@ VENDOR_REFUSAL_CODES_EXCLUDED = ("deadline_exceeded", "retries_exhausted", "quar
 
 def file_precheck(*, file: FileVersion) -> FileVersion:
     """Run the sandboxed pre-check once per file version and record what it found."""
-    from tasks.precheck.sandbox import run_precheck
-
     result = run_precheck(file.path, file.extension)
     state = FileVersion.Precheck.PASSED if result.verdict == "pass" else FileVersion.Precheck.QUARANTINED
     FileVersion.objects.filter(pk=file.pk, precheck_state=FileVersion.Precheck.PENDING).update(
@@ -90,8 +90,6 @@ def quarantine_release(*, entry: Quarantine, actor: str, recheck: bool = False, 
             precheck_state=FileVersion.Precheck.PASSED,
             precheck_findings={**(file.precheck_findings or {}), "released": True, "verdict": "pass"},
         )
-    from tasks.services.replay import task_replay
-
     replayed = skipped = 0
     for task in Task.objects.filter(file__sha256=entry.sha256, tenant_id=entry.tenant_id, state=State.FAILED,
                                     error_code="quarantined"):

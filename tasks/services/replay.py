@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.utils import timezone
@@ -56,6 +57,4 @@ def task_replay(*, task: Task, actor: str, lane_name: str | None = None, params:
 
 
 def timedelta_s(seconds: float):
-    from datetime import timedelta
-
     return timedelta(seconds=seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 
 from tasks.models import VendorChannel
-from tasks.vendor.breaker import health_for
+from tasks.vendors.breaker import health_for
 
 KINDS = ["transcription", "conversion"]
 

@@ -113,7 +113,7 @@ def test_rate_limit_with_retry_after_in_seconds(fake, http):
 
 
 def test_rate_limit_with_retry_after_as_an_http_date(fake, http):
-    from tasks.vendor.policies import parse_retry_after
+    from tasks.vendors.policies import parse_retry_after
 
     fake.add_rule({"endpoint": "POST /v1/uploads", "type": "rate_limit",
                    "params": {"retry_after_s": 9, "retry_after_date": True, "status": 503}})

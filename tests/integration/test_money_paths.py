@@ -216,7 +216,7 @@ def test_a_retry_that_would_pass_the_business_deadline_fails_at_once(inline_queu
 def test_a_dry_retry_budget_slows_retries_down_but_the_task_still_succeeds(inline_queue, api):
     primary_only()
     VendorChannel.objects.filter(name="primary").update(retry_budget_capacity=5, max_attempts=10)
-    from tasks.vendor.breaker import reset_retry_budget
+    from tasks.vendors.breaker import reset_retry_budget
 
     reset_retry_budget(VendorChannel.objects.get(pk="primary"))
     inline_queue.control.add_rule({"endpoint": "POST /v1/uploads", "type": "http_error", "params": {"status": 503}, "times": 2})

@@ -67,7 +67,7 @@ def test_a_message_waiting_behind_a_backlog_is_not_resent_but_a_lost_one_is(vend
 
     from django.utils import timezone
 
-    from tasks.scheduling.dispatch import resend_cutoff, tick
+    from tasks.services.dispatch import resend_cutoff, tick
 
     task_id = submit_file(api, files.wav())
     broker = get_broker(Task.objects.get(pk=task_id).lane_id)

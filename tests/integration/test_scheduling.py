@@ -10,7 +10,8 @@ from django.utils import timezone
 
 from tasks.models import ChannelHealth, Lane, QuotaOverride, Task, TenantQuota, VendorChannel
 from tasks.poc import files
-from tasks.scheduling.dispatch import admit_deferred, tick, waiting_reason
+from tasks.scheduling.waiting import waiting_reason
+from tasks.services.dispatch import admit_deferred, tick
 from tasks.services.tenancy import tenant_ensure, token_issue
 from tests.conftest import run_until, wait_for
 from tests.support.flows import route, submit_file

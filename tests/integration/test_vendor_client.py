@@ -60,7 +60,7 @@ def test_connect_errors_are_retried_then_wait_for_the_vendor_to_come_back(inline
     from tasks.system import free_port
 
     VendorChannel.objects.filter(name="primary").update(base_url=f"http://127.0.0.1:{free_port()}/primary", max_attempts=2)
-    from tasks.scheduling.dispatch import tick
+    from tasks.services.dispatch import tick
 
     task_id = submit_file(api)
     task = wait_for(lambda: tick() and Task.objects.filter(pk=task_id).exclude(waiting_reason="retry_backoff")

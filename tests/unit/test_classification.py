@@ -3,8 +3,8 @@
 import httpx
 import pytest
 
-from tasks.vendor.classification import TABLE, Outcome, classify_exception, classify_status
-from tasks.vendor.errors import MalformedResponse, UploadDeadlineExceeded
+from tasks.vendors.classification import TABLE, Outcome, classify_exception, classify_status
+from tasks.vendors.errors import MalformedResponse, UploadDeadlineExceeded
 
 NP, AMB, REF, ALARM = Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS, Outcome.REFUSED, Outcome.ALARM
 

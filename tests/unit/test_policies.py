@@ -4,7 +4,7 @@ import random
 from datetime import UTC, datetime
 from email.utils import format_datetime
 
-from tasks.vendor.policies import (
+from tasks.vendors.policies import (
     BreakerPolicy,
     PollPolicy,
     RetryPolicy,

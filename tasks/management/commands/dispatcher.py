@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand
 from django.db import close_old_connections
 
 from tasks.observability import log_event
-from tasks.scheduling.dispatch import tick
+from tasks.services.dispatch import tick
 
 
 class Command(BaseCommand):

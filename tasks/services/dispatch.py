@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,15 +21,19 @@ from django.utils import timezone
 
 from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
-from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, VendorChannel, VendorJob
+from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, Tenant, VendorJob
 from tasks.observability import log_event
+from tasks.precheck.sandbox import kill_orphans
 from tasks.queueing import queue_backlog, send, send_step
 from tasks.scheduling import quotas
-from tasks.scheduling.budgets import UPLOAD, channel_usage, slots_release, slots_reserve
+from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
+from tasks.scheduling.channels import channel_rooms, channels_down_for, pick_channel
+from tasks.scheduling.lanes import lane_running
+from tasks.services.execution import new_operation_fields
 from tasks.services.outcomes import task_move
 from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
-from tasks.vendor import breaker
-from tasks.vendor.policies import BreakerPolicy
+from tasks.vendors import breaker
+from tasks.vendors.policies import BreakerPolicy, RetryPolicy
 
 S = State
 B = ChannelHealth.Breaker
@@ -191,8 +194,6 @@ def watchdog(now: datetime) -> int:
 
 def _kill_local_subprocess(attempt: Attempt | None) -> None:
     """A pre-check subprocess of a fenced attempt on this host is killed (see precheck.sandbox)."""
-    from tasks.precheck.sandbox import kill_orphans
-
     kill_orphans()
 
 
@@ -204,8 +205,7 @@ def promote_retries(now: datetime) -> int:
     for task in rows:
         if task.waiting_reason == "all_channels_down":
             if task.kind not in down:
-                down[task.kind] = not any(r.available for r in channel_rooms().values()
-                                          if task.kind in (r.channel.kinds or []))
+                down[task.kind] = channels_down_for(task, channel_rooms())
             if down[task.kind]:
                 # Still no channel up: keep waiting here (its queue deadline has not started).
                 task_update(task.pk, state=S.RETRY_WAIT, generation=task.generation,
@@ -223,8 +223,6 @@ def promote_retries(now: datetime) -> int:
 
 def outage_recheck_s() -> float:
     """Real seconds between looks at whether a channel is back, for work parked by an outage."""
-    from tasks.vendor.policies import RetryPolicy
-
     return timescale.seconds(min(RetryPolicy().cap_s, BreakerPolicy().open_wait_s))
 
 
@@ -241,9 +239,6 @@ def park_for_outage(task: Task, now: datetime) -> bool:
     return moved is not None
 
 
-def lane_has_room(lane: Lane) -> bool:
-    waiting = Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).count()
-    return waiting < lane.max_queued
 
 
 def admit_deferred(now: datetime) -> int:
@@ -267,69 +262,12 @@ def admit_deferred(now: datetime) -> int:
     return moved_count
 
 
-@dataclass
-class ChannelRoom:
-    channel: VendorChannel
-    available: bool
-    free_jobs: int
-    free_uploads: int
-    trials_left: int | None = None
-
-    def fits(self, lane: str = "interactive") -> bool:
-        # The last job and upload slots are kept for the interactive lane (article 001's reserved
-        # capacity): a batch flood waiting for its workers must not hold every upload slot.
-        kept = 0 if lane == "interactive" else self.channel.reserved_for_interactive
-        jobs_kept = min(kept, self.channel.max_inflight_jobs // 2)
-        uploads_kept = min(kept, self.channel.max_concurrent_uploads // 2)
-        if not self.available or self.free_jobs - jobs_kept <= 0 or self.free_uploads - uploads_kept <= 0:
-            return False
-        return self.trials_left is None or self.trials_left > 0
-
-    def take(self) -> None:
-        self.free_jobs -= 1
-        self.free_uploads -= 1
-        if self.trials_left is not None:
-            self.trials_left -= 1
 
 
-def channel_rooms() -> dict[str, ChannelRoom]:
-    rooms: dict[str, ChannelRoom] = {}
-    for channel in VendorChannel.objects.filter(enabled=True):
-        health = breaker.health_for(channel)
-        usage = channel_usage(channel)
-        available = breaker.is_available(channel, health)
-        trials = None
-        if health.breaker_state in (B.OPEN, B.HALF_OPEN):
-            used = health.half_open_permits_used if health.breaker_state == B.HALF_OPEN else 0
-            trials = max(BreakerPolicy.for_channel(channel).half_open_calls - used, 0)
-        rooms[channel.name] = ChannelRoom(
-            channel=channel, available=available, free_jobs=usage.free_jobs(channel),
-            free_uploads=usage.free_uploads(channel), trials_left=trials,
-        )
-    return rooms
 
 
-def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | None:
-    """The task's channel, or the next healthy one with room.
-
-    A QUEUED task either has no vendor operation yet, or one that was proven not processed (a
-    not-processed failure, or a reconciliation that found nothing), so moving it elsewhere can
-    not create a second billed job.
-    """
-    ordered = sorted(rooms.values(), key=lambda r: (r.channel.preference, r.channel.name))
-    preferred = [r for r in ordered if r.channel.name == task.channel_id]
-    candidates = preferred + [r for r in ordered if r.channel.name != task.channel_id]
-    for room in candidates:
-        if task.kind not in (room.channel.kinds or []) or room.channel.name in (task.abandoned_channels or []):
-            continue
-        if room.fits(task.lane_id or "interactive"):
-            return room
-    return None
 
 
-def _lane_running(lane: Lane):
-    """The lane's tasks holding a slot: in flight, or dispatched and about to start."""
-    return Task.objects.filter(lane=lane).filter(Q(state__in=IN_FLIGHT_STATES) | Q(state=S.QUEUED, dispatched_at__isnull=False))
 
 
 def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
@@ -339,14 +277,14 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
     # write lock on SQLite. Both are looked at again under the lock.
     if not Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).exists():
         return sent
-    if lane.max_running - _lane_running(lane).count() <= 0:
+    if lane.max_running - lane_running(lane).count() <= 0:
         return sent
     with dispatch_lock():
         lane = Lane.objects.get(pk=lane.pk)
         if lane.paused:
             return []
         in_lane = Task.objects.filter(lane=lane)
-        running = _lane_running(lane)
+        running = lane_running(lane)
         free = lane.max_running - running.count()
         if free <= 0:
             return []
@@ -355,8 +293,6 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
         if not tenants:
             return []
         running_here = dict(running.values("tenant_id").annotate(n=Count("id")).values_list("tenant_id", "n"))
-        from tasks.models import Tenant
-
         tenant_rows = {t.pk: t for t in Tenant.objects.filter(pk__in=tenants)}
         limits = {t: quotas.quota_effective(tenant_rows[t], now=now) for t in tenants}
         running_all = {t: quotas.tenant_running(t) for t in tenants}
@@ -384,15 +320,11 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
             task = heads[tenant].pop(0)
             room = pick_channel(task, rooms)
             if room is None:
-                usable = [r for r in rooms.values() if task.kind in (r.channel.kinds or [])
-                          and r.channel.name not in (task.abandoned_channels or [])]
-                if not any(r.available for r in usable):
+                if channels_down_for(task, rooms):
                     park_for_outage(task, now)
                 continue
             fields: dict[str, Any] = dict(dispatched_at=now, enqueued_at=now)
             if task.channel_id != room.channel.name or not task.vendor_idempotency_key:
-                from tasks.services.execution import new_operation_fields
-
                 fields.update(new_operation_fields(task, room.channel))
                 if task.channel_id and task.channel_id != room.channel.name:
                     lifecycle.record_event(
@@ -523,39 +455,3 @@ def clean_up_vendor_jobs(now: datetime) -> int:
 
 
 # --- why is this task waiting? -----------------------------------------------------------------
-def waiting_reason(task: Task) -> str | None:
-    """Why a task is not moving: stored with the move into RETRY_WAIT or RECONCILING (or a result
-    download waiting to be retried), derived for ACCEPTED and QUEUED work (tenant_at_quota |
-    lane_full | vendor_budget | breaker_open | fair_share ...)."""
-    if task.state == S.ACCEPTED:
-        return "lane_full" if task.deferred else "precheck"
-    if task.state == S.RETRY_WAIT:
-        return task.waiting_reason or "retry_backoff"
-    if task.state == S.RECONCILING:
-        return task.waiting_reason or "reconciling"
-    if task.state == S.RUNNING and task.phase == Task.Phase.FETCH and task.waiting_reason and task.fetch_attempts:
-        return task.waiting_reason
-    if task.state != S.QUEUED or task.dispatched_at is not None:
-        return None
-    lane = task.lane
-    if lane is None:
-        return "precheck"
-    if lane.paused:
-        return "lane_paused"
-    running = Task.objects.filter(lane=lane).filter(
-        Q(state__in=IN_FLIGHT_STATES) | Q(state=S.QUEUED, dispatched_at__isnull=False)
-    ).count()
-    if running >= lane.max_running:
-        return "lane_full"
-    limit = quotas.quota_effective(task.tenant).max_running
-    if limit is not None and quotas.tenant_running(task.tenant_id) >= limit:
-        return "tenant_at_quota"
-    rooms = [
-        r for r in channel_rooms().values()
-        if task.kind in (r.channel.kinds or []) and r.channel.name not in (task.abandoned_channels or [])
-    ]
-    if rooms and not any(r.available for r in rooms):
-        return "breaker_open"
-    if not any(r.fits(task.lane_id) for r in rooms):
-        return "vendor_budget"
-    return "fair_share"

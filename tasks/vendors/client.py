@@ -22,16 +22,16 @@ from django.db import connection
 from tasks import timescale
 from tasks.models import ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
-from tasks.vendor import breaker
-from tasks.vendor.classification import Outcome, Row, classify_exception, classify_status
-from tasks.vendor.errors import (
+from tasks.vendors import breaker
+from tasks.vendors.classification import Outcome, Row, classify_exception, classify_status
+from tasks.vendors.errors import (
     BreakerOpen,
     MalformedResponse,
     StopUpload,
     UploadDeadlineExceeded,
     VendorError,
 )
-from tasks.vendor.policies import BreakerPolicy, TimeoutPolicy, parse_retry_after
+from tasks.vendors.policies import BreakerPolicy, TimeoutPolicy, parse_retry_after
 
 CHUNK = 64 * 1024
 # A small send buffer keeps what the kernel sends on our behalf after we give up on an upload

@@ -19,8 +19,8 @@ from django.utils import timezone
 from tasks import timescale
 from tasks.models import BreakerTransition, ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
-from tasks.vendor.errors import BreakerOpen
-from tasks.vendor.policies import BreakerPolicy
+from tasks.vendors.errors import BreakerOpen
+from tasks.vendors.policies import BreakerPolicy
 
 B = ChannelHealth.Breaker
 

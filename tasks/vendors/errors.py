@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.vendor.classification import Failure, Outcome, Row
+from tasks.vendors.classification import Failure, Outcome, Row
 
 
 class VendorError(Exception):

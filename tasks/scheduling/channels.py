@@ -1,0 +1,83 @@
+"""Channels as the dispatcher sees them: which are up and how much budget each has free.
+
+Reads only: the breaker's state and the budget rows. Deciding to dispatch (and writing it) is the
+dispatcher's job (tasks/services/dispatch.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tasks.models import ChannelHealth, Task, VendorChannel
+from tasks.scheduling.budgets import channel_usage
+from tasks.vendors import breaker
+from tasks.vendors.policies import BreakerPolicy
+
+B = ChannelHealth.Breaker
+
+
+@dataclass
+class ChannelRoom:
+    channel: VendorChannel
+    available: bool
+    free_jobs: int
+    free_uploads: int
+    trials_left: int | None = None
+
+    def fits(self, lane: str = "interactive") -> bool:
+        # The last job and upload slots are kept for the interactive lane (article 001's reserved
+        # capacity): a batch flood waiting for its workers must not hold every upload slot.
+        kept = 0 if lane == "interactive" else self.channel.reserved_for_interactive
+        jobs_kept = min(kept, self.channel.max_inflight_jobs // 2)
+        uploads_kept = min(kept, self.channel.max_concurrent_uploads // 2)
+        if not self.available or self.free_jobs - jobs_kept <= 0 or self.free_uploads - uploads_kept <= 0:
+            return False
+        return self.trials_left is None or self.trials_left > 0
+
+    def take(self) -> None:
+        self.free_jobs -= 1
+        self.free_uploads -= 1
+        if self.trials_left is not None:
+            self.trials_left -= 1
+
+
+def channel_rooms() -> dict[str, ChannelRoom]:
+    rooms: dict[str, ChannelRoom] = {}
+    for channel in VendorChannel.objects.filter(enabled=True):
+        health = breaker.health_for(channel)
+        usage = channel_usage(channel)
+        available = breaker.is_available(channel, health)
+        trials = None
+        if health.breaker_state in (B.OPEN, B.HALF_OPEN):
+            used = health.half_open_permits_used if health.breaker_state == B.HALF_OPEN else 0
+            trials = max(BreakerPolicy.for_channel(channel).half_open_calls - used, 0)
+        rooms[channel.name] = ChannelRoom(
+            channel=channel, available=available, free_jobs=usage.free_jobs(channel),
+            free_uploads=usage.free_uploads(channel), trials_left=trials,
+        )
+    return rooms
+
+
+def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | None:
+    """The task's channel, or the next healthy one with room.
+
+    A QUEUED task either has no vendor operation yet, or one that was proven not processed (a
+    not-processed failure, or a reconciliation that found nothing), so moving it elsewhere can
+    not create a second billed job.
+    """
+    ordered = sorted(rooms.values(), key=lambda r: (r.channel.preference, r.channel.name))
+    preferred = [r for r in ordered if r.channel.name == task.channel_id]
+    candidates = preferred + [r for r in ordered if r.channel.name != task.channel_id]
+    for room in candidates:
+        if task.kind not in (room.channel.kinds or []) or room.channel.name in (task.abandoned_channels or []):
+            continue
+        if room.fits(task.lane_id or "interactive"):
+            return room
+    return None
+
+
+def channels_down_for(task: Task, rooms: dict[str, ChannelRoom]) -> bool:
+    """No channel that could take this task (its kind, not abandoned by it) is up."""
+    usable = [r for r in rooms.values() if task.kind in (r.channel.kinds or [])
+              and r.channel.name not in (task.abandoned_channels or [])]
+    return not any(r.available for r in usable)

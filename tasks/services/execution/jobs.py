@@ -1,0 +1,120 @@
+"""Vendor jobs as Sluice records them: every job a task was billed for, duplicates, cancels of jobs
+nobody wants any more, breaker probes."""
+
+from __future__ import annotations
+
+from django.utils import timezone
+
+from tasks.models import Task, VendorChannel, VendorJob
+from tasks.scheduling.budgets import vendor_job_terminal
+from tasks.services.billing import task_billing_check
+from tasks.states import State
+from tasks.vendors import breaker
+from tasks.vendors.classification import Failure, Outcome
+from tasks.vendors.client import JobView, VendorClient
+from tasks.vendors.errors import VendorError
+
+S = State
+P = Task.Phase
+
+
+# A job that answers 404 this soon after we created it is "not visible yet", not gone.
+TRANSIENT_404_WINDOW_S = 30.0
+
+
+def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None) -> VendorJob:
+    """A job exists at the vendor: record it whatever happens to the task (it holds budget, and it
+    was billed: a second job of the same task is reported at once)."""
+    job, created = VendorJob.objects.get_or_create(
+        channel=channel, vendor_job_id=view.id,
+        defaults=dict(
+            task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
+            status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
+            billing_unit=view.billing_unit or "", amount_cents=view.amount_cents, input_sha256=view.input_sha256,
+            result_sha256=view.result_sha256 or "", result_size=view.result_size,
+        ),
+    )
+    if view.terminal:
+        vendor_job_terminal(job, view.status)
+    if created:
+        task_billing_check(task.pk)
+    return job
+
+
+def job_failure(view: JobView) -> Failure:
+    outcome = Outcome.NOT_PROCESSED if view.error_retryable or view.status == "canceled" else Outcome.REFUSED
+    return Failure(outcome, code=f"vendor_{view.error_code or view.status}"[:64],
+                   message=view.error_message or f"the vendor job ended {view.status}", error_class="VendorJobFailed")
+
+
+def audit_duplicates(task: Task, channel: VendorChannel, client: VendorClient, *, keep_job_id: str) -> int:
+    """List the operation's jobs: more than one means the vendor ignored our key. Cancel the extras."""
+    client_ref = task.vendor_client_ref
+    if not client_ref:
+        return 0
+    try:
+        jobs = client.list_jobs(client_ref)
+    except VendorError:
+        return 0
+    extras = [j for j in jobs if j.id != keep_job_id]
+    if not extras:
+        return 0
+    keep = VendorJob.objects.filter(channel=channel, vendor_job_id=keep_job_id).first()
+    for view in extras:
+        record = record_job(task, channel, view, adopted=True, duplicate_of=keep)
+        VendorJob.objects.filter(pk=record.pk).update(duplicate_of=keep)
+        if not view.terminal:
+            VendorJob.objects.filter(pk=record.pk).update(cancel_requested_at=timezone.now())
+            cancel_vendor_job(record, client)
+    task_billing_check(task.pk)
+    return len(extras)
+
+
+def cancel_vendor_job(job: VendorJob, client: VendorClient | None = None) -> str | None:
+    """Ask the vendor to stop a job; returns the status it reports (None if unreachable)."""
+    client = client or VendorClient(job.channel, task_id=job.task_id)
+    try:
+        view = client.cancel_job(job.vendor_job_id)
+    except VendorError as err:
+        if err.code == "already_finished" or err.status == 409:
+            try:
+                view = client.get_job(job.vendor_job_id)
+            except VendorError:
+                return None
+        elif err.status == 404:
+            vendor_job_terminal(job, "gone")
+            return "gone"
+        else:
+            return None
+    VendorJob.objects.filter(pk=job.pk).update(status=view.status)
+    if view.terminal:
+        vendor_job_terminal(job, view.status)
+    return view.status
+
+
+def orphan_check(job: VendorJob) -> None:
+    """A job whose task no longer wants it (finished, cancelled) is cancelled at the vendor."""
+    task = Task.objects.filter(pk=job.task_id).values("state", "vendor_job_id").first()
+    if task and task["state"] in (S.SUCCEEDED, S.FAILED, S.CANCELLED, S.EXPIRED) and task["vendor_job_id"] != job.pk:
+        VendorJob.objects.filter(pk=job.pk, terminal_at__isnull=True).update(cancel_requested_at=timezone.now())
+
+
+def step_vendor_job_cleanup(job_pk: int) -> str:
+    """Cancel (or confirm the end of) a job nobody wants any more; frees its budget slot."""
+    job = VendorJob.objects.select_related("channel").filter(pk=job_pk, terminal_at__isnull=True).first()
+    if job is None:
+        return "done"
+    if job.cancel_requested_at is None:
+        return "not_requested"
+    return cancel_vendor_job(job) or "unreachable"
+
+
+def step_probe(channel_name: str) -> str:
+    channel = VendorChannel.objects.filter(pk=channel_name).first()
+    if channel is None or not breaker.is_available(channel):
+        return "skipped"
+    try:
+        VendorClient(channel).probe()
+    except VendorError as err:
+        return f"probe_failed:{err.code}"
+    return "probe_ok"

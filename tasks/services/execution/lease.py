@@ -1,0 +1,87 @@
+"""The right to run one step of a task: who holds it, until when, renewed by heartbeats."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Q
+from django.utils import timezone
+
+from tasks import timescale
+from tasks.models import Attempt, Task
+from tasks.states import State
+from tasks.vendors.errors import StopUpload
+
+S = State
+P = Task.Phase
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def actor() -> str:
+    return f"worker {worker_id()}"
+
+
+def lease_seconds() -> float:
+    return max(timescale.seconds(settings.LEASE_S), settings.LEASE_FLOOR_S)
+
+
+class Lease:
+    """The right to run one step of a task at (state, generation), renewed by heartbeats."""
+
+    def __init__(self, task: Task) -> None:
+        self.task_id = task.pk
+        self.state = task.state
+        self.generation = task.generation
+        self.owner = worker_id()
+        self._next_renewal = 0.0
+
+    @classmethod
+    def claim(cls, task: Task) -> Lease | None:
+        lease = cls(task)
+        now = timezone.now()
+        taken = Task.objects.filter(
+            Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now),
+            pk=task.pk, state=task.state, generation=task.generation,
+        ).update(lease_owner=lease.owner, lease_expires_at=now + timedelta(seconds=lease_seconds()))
+        if not taken:
+            return None
+        lease._next_renewal = time.monotonic() + lease_seconds() / 3
+        return lease
+
+    @classmethod
+    def adopt(cls, task: Task) -> Lease:
+        """The lease written by the claim transition itself."""
+        lease = cls(task)
+        lease._next_renewal = time.monotonic() + lease_seconds() / 3
+        return lease
+
+    def heartbeat(self, _bytes: int = 0) -> None:
+        """Renew between upload chunks; stop if the task was fenced or cancelled meanwhile."""
+        if time.monotonic() < self._next_renewal:
+            return
+        now = timezone.now()
+        expires = now + timedelta(seconds=lease_seconds())
+        renewed = Task.objects.filter(
+            pk=self.task_id, state=self.state, generation=self.generation, lease_owner=self.owner
+        ).update(lease_expires_at=expires)
+        if not renewed:
+            raise StopUpload()
+        Attempt.objects.filter(task_id=self.task_id, generation=self.generation).update(
+            heartbeat_at=now, lease_expires_at=expires
+        )
+        self._next_renewal = time.monotonic() + lease_seconds() / 3
+
+    def release(self) -> None:
+        Task.objects.filter(pk=self.task_id, lease_owner=self.owner).update(lease_owner="", lease_expires_at=None)
+
+
+def load_task(task_id: Any) -> Task | None:
+    return Task.objects.select_related("channel", "file", "lane", "vendor_job").filter(pk=task_id).first()

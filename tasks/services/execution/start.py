@@ -1,0 +1,197 @@
+"""The start step: claim the task, upload (two-step), create the vendor job with the key that was
+persisted when the task was dispatched."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import F
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from tasks import lifecycle, timescale
+from tasks.lifecycle import task_update
+from tasks.models import Attempt, Task, VendorChannel
+from tasks.observability import log_event
+from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
+from tasks.services.execution.guard import step_crashed
+from tasks.services.execution.jobs import audit_duplicates, orphan_check, record_job
+from tasks.services.execution.lease import Lease, actor, lease_seconds, load_task, worker_id
+from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
+from tasks.services.quarantine import poison_check
+from tasks.states import State
+from tasks.vendors import breaker
+from tasks.vendors.classification import Outcome
+from tasks.vendors.client import SEND_BUFFER, Created, VendorClient
+from tasks.vendors.errors import StopUpload, VendorError
+from tasks.vendors.policies import PollPolicy
+
+S = State
+P = Task.Phase
+
+
+def step_start(task_id: Any, generation: int) -> str:
+    task = load_task(task_id)
+    if task is None or task.state != S.QUEUED or task.generation != generation or task.dispatched_at is None:
+        return "stale"
+    now = timezone.now()
+    lease_expires = now + timedelta(seconds=lease_seconds())
+    moved = lifecycle.transition(
+        task.pk, source=S.QUEUED, target=S.RUNNING, generation=generation, actor=actor(), reason="claimed by a worker",
+        fields=dict(
+            started_at=task.started_at or now, phase=P.UPLOAD if task.channel.mode == "two_step" else P.CREATE,
+            lease_owner=worker_id(), lease_expires_at=lease_expires, attempts=F("attempts") + 1,
+            attempt_deadline_at=now + timescale.delta(task.lane.execution_timeout_s), due_at=None, enqueued_at=None,
+        ),
+        data={"channel": task.channel_id, "queue_wait_s": round((now - (task.queued_at or task.created_at)).total_seconds(), 3)},
+    )
+    if moved is None:
+        return "lost_claim"
+    host, pid = socket.gethostname(), os.getpid()
+    Attempt.objects.create(
+        task=task, generation=moved.generation, owner=worker_id(), host=host[:100], pid=pid,
+        lease_expires_at=lease_expires, heartbeat_at=now, channel=task.channel,
+    )
+    task.refresh_from_db()
+    lease = Lease.adopt(task)
+    try:
+        submit(task, lease)
+    except Exception as exc:
+        step_crashed(task, exc)
+        return "crashed"
+    finally:
+        lease.release()
+    return "started"
+
+
+def submit(task: Task, lease: Lease) -> None:
+    """Upload (two-step) and create the vendor job with the key persisted at dispatch."""
+    g = task.generation
+    channel = task.channel
+    client = VendorClient(channel, task_id=task.pk, generation=g)
+    file = task.file
+    stage = "create"
+    started = time.monotonic()
+    try:
+        if channel.mode == VendorChannel.Mode.TWO_STEP:
+            if not task.upload_id or _expired(task.upload_expires_at):
+                stage = "upload"
+                receipt = client.upload(file.path, size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat,
+                                        client_ref=task.vendor_client_ref)
+                expires = parse_datetime(receipt.expires_at) if receipt.expires_at else None
+                if not task_update(task.pk, state=S.RUNNING, generation=g, upload_id=receipt.upload_id,
+                                   upload_expires_at=expires, phase=P.CREATE):
+                    raise StopUpload()
+                task.upload_id = receipt.upload_id
+                stage = "create"
+            slots_release(task.pk, UPLOAD, reason="upload done")
+            created = client.create_job(
+                kind=task.kind, target_format=task.target_format, client_ref=task.vendor_client_ref,
+                idempotency_key=task.vendor_idempotency_key, options=task.params, upload_id=task.upload_id,
+                callback_url=vendor_callback_url(channel),
+            )
+        else:
+            created = client.create_job(
+                kind=task.kind, target_format=task.target_format, client_ref=task.vendor_client_ref,
+                idempotency_key=task.vendor_idempotency_key, options=task.params, inline_path=file.path,
+                size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel),
+            )
+    except StopUpload:
+        slots_release(task.pk, UPLOAD, reason="upload stopped")
+        lease.release()
+        log_event("upload_stopped", task_id=task.pk, generation=g, reason="fenced or cancel requested")
+        return
+    except VendorError as err:
+        hold = upload_drain_s(channel) if err.bytes_sent and err.outcome == Outcome.AMBIGUOUS else 0.0
+        slots_release(task.pk, UPLOAD, reason="upload ended", hold_s=hold)
+        Attempt.objects.filter(task=task, generation=g).update(upload_ms=int((time.monotonic() - started) * 1000))
+        _submit_failed(task, err, stage=stage)
+        return
+    slots_release(task.pk, UPLOAD, reason="upload done")
+    Attempt.objects.filter(task=task, generation=g).update(
+        upload_ms=int((time.monotonic() - started) * 1000), vendor_job_id=created.job.id
+    )
+    _job_created(task, created)
+    if channel.audit_after_create:
+        # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
+        audit_duplicates(task, channel, client, keep_job_id=created.job.id)
+
+
+def vendor_callback_url(channel: VendorChannel) -> str | None:
+    """Signed vendor callbacks, when this installation is reachable and the channel has a secret."""
+    if not settings.PUBLIC_URL or not channel.webhook_secret:
+        return None
+    return f"{settings.PUBLIC_URL.rstrip('/')}/api/v1/vendor-callbacks/{channel.name}"
+
+
+def upload_drain_s(channel: VendorChannel) -> float:
+    """How long an abandoned upload may keep the vendor busy: what our socket buffers still held
+    (the client's send buffer, see client.SEND_BUFFER) at the channel's bandwidth estimate."""
+    return timescale.seconds(4 * SEND_BUFFER / max(channel.upload_bandwidth_bytes_s, 1.0))
+
+
+def _expired(moment: datetime | None) -> bool:
+    return moment is not None and moment <= timezone.now() + timescale.delta(60)
+
+
+def _job_created(task: Task, created: Created) -> None:
+    g = task.generation
+    channel = task.channel
+    job = record_job(task, channel, created.job, adopted=False)
+    slots_release(task.pk, JOB, reason="bound to vendor job")
+    breaker.refund_retry_token(channel)
+    poll = PollPolicy.for_channel(channel)
+    first = poll.next_interval_s(0)
+    now = timezone.now()
+    updated = task_update(
+        task.pk, state=S.RUNNING, generation=g, vendor_job=job, phase=P.POLL, poll_interval_s=first, outage_since=None,
+        due_at=now + timescale.delta(poll.jittered(first)), poll_deadline_at=now + timescale.delta(poll.budget_s),
+        lease_owner="", lease_expires_at=None, error_code="", error_message="",
+    )
+    lifecycle.record_event(
+        task.pk, generation=g, actor=actor(),
+        reason="vendor job replayed by idempotency key" if created.replayed else "vendor job created",
+        data={"vendor_job_id": created.job.id, "channel": channel.name},
+    )
+    if not updated:
+        # Fenced while creating: the job is recorded; whoever moved the task decides its fate.
+        orphan_check(job)
+
+
+def _submit_failed(task: Task, err: VendorError, *, stage: str) -> None:
+    failure = err.failure
+    if stage == "upload" and failure.outcome == Outcome.AMBIGUOUS:
+        # Uploads are never billed: a broken upload is simply sent again.
+        failure = replace(failure, outcome=Outcome.NOT_PROCESSED)
+    if err.code == "upload_not_found":
+        task_update(task.pk, state=S.RUNNING, generation=task.generation, upload_id="", upload_expires_at=None)
+    if failure.outcome == Outcome.NOT_PROCESSED:
+        retry_or_fallback(task, failure, source=S.RUNNING)
+    elif failure.outcome == Outcome.AMBIGUOUS and settings.UNSAFE_SKIP_RECONCILIATION:
+        retry_or_fallback(task, failure, source=S.RUNNING, new_operation=True)
+    elif failure.outcome == Outcome.AMBIGUOUS:
+        to_reconciling(task, failure, operation=err.operation)
+    elif failure.outcome == Outcome.ALARM:
+        log_event("idempotency_alarm", logging.ERROR, task_id=task.pk, channel=task.channel_id, code=err.code)
+        fail(task, source=S.RUNNING, code=err.code, message=f"{err.message}: our bug or the vendor's; investigate",
+             data={"alarm": True, "error_class": err.error_class})
+    else:
+        fail(task, source=S.RUNNING, code=err.code, message=err.message, data={"error_class": err.error_class})
+        poison_check(task=task)
+
+
+def new_operation_fields(task: Task, channel: VendorChannel) -> dict[str, Any]:
+    """A new vendor operation on `channel`: its client_ref and key, persisted before any send."""
+    seq = task.vendor_op_seq + 1
+    return dict(
+        channel=channel, vendor_op_seq=seq, vendor_client_ref=f"{task.pk}-{seq}",
+        vendor_idempotency_key=f"sluice-{uuid.uuid4().hex}", upload_id="", upload_expires_at=None,
+    )
