@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 
+from tasks.vendors.classification import Failure
+
 if TYPE_CHECKING:
     from tasks.models import VendorChannel
 
@@ -85,6 +87,92 @@ class RetryPolicy:
             retry_after_cap_s=channel.retry_after_cap_s,
             max_attempts=channel.max_attempts,
         )
+
+
+@dataclass(frozen=True)
+class RetrySituation:
+    """What the retry decision needs to know about a task, as plain values (nominal seconds)."""
+
+    channel: str
+    kind: str
+    channel_attempts: int
+    time_left_s: float
+    has_fallback: bool = False
+    other_channels_exist: bool = False
+    abandoned_any: bool = False
+    in_outage: bool = False
+    breaker_retry_in_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    """What happens after a failure. `action`: retry (same channel), fall_back (another channel),
+    wait_for_channels (every channel is down: a durable outage wait) or fail."""
+
+    action: str
+    delay_s: float = 0.0
+    waiting_reason: str = ""
+    summary: str = ""
+    counts_attempt: bool = False
+    needs_retry_token: bool = False
+    fail_code: str = ""
+    fail_message: str = ""
+
+
+@dataclass(frozen=True)
+class RetryDecider:
+    """The retry/fallback decision as a pure value: writes nothing, reads no database.
+
+    A failure that was provably not processed is retried (Retry-After first, full-jitter backoff),
+    on another channel once this one's attempts are spent; when every channel is spent and the
+    last one could not take the work at all, the task waits for any to recover, one try per
+    capped backoff; other failures then fail (`retries_exhausted`). Flow control (429, a key in
+    flight, an open breaker) never counts as an attempt. No retry is planned past the business
+    deadline."""
+
+    policy: RetryPolicy
+
+    def decide(self, failure: Failure, situation: RetrySituation, rng: random.Random | None = None) -> RetryDecision:
+        rng = rng or random
+        policy = self.policy
+        flow = failure.flow_control
+        spent = not flow and policy.exhausted(situation.channel_attempts + 1)
+        if failure.breaker_open and situation.has_fallback:
+            decision = RetryDecision("fall_back", policy.base_s * 0.1, summary=f"breaker open: fall back from {situation.channel}")
+        elif failure.breaker_open:
+            alone = not situation.other_channels_exist or situation.abandoned_any
+            decision = RetryDecision("retry", max(situation.breaker_retry_in_s or 0.0, policy.base_s) * 1.1,
+                                     waiting_reason="all_channels_down" if alone else "breaker_open",
+                                     summary="breaker open: wait for it")
+        elif spent and not situation.has_fallback and not failure.unavailable:
+            return RetryDecision("fail", fail_code="retries_exhausted",
+                                 fail_message=f"{failure.message}; retries on every channel are spent")
+        elif (spent and not situation.has_fallback) or (situation.in_outage and failure.unavailable and not flow):
+            decision = RetryDecision("wait_for_channels", policy.cap_s * rng.uniform(0.5, 1.0), waiting_reason="all_channels_down",
+                                     summary=f"every channel for {situation.kind} failed ({failure.code}): wait for one to recover")
+        elif spent:
+            decision = RetryDecision("fall_back", policy.delay_s(0, rng=rng), summary=f"retries on {situation.channel} spent: fall back")
+        else:
+            delay = policy.delay_s(situation.channel_attempts, failure.retry_after_s, rng=rng)
+            decision = RetryDecision("retry", delay, waiting_reason="rate_limited" if failure.code == "http_429" else "retry_backoff",
+                                     summary=f"retry on {situation.channel} in {delay:.1f}s", counts_attempt=not flow,
+                                     needs_retry_token=not flow)
+        return self._bounded(decision, failure, situation)
+
+    def when_budget_dry(self, failure: Failure, situation: RetrySituation, rng: random.Random | None = None) -> RetryDecision:
+        """The channel's retry budget is dry: slow down rather than multiply an outage's traffic."""
+        delay = self.policy.cap_s * (rng or random).uniform(0.5, 1.0)
+        return self._bounded(RetryDecision("retry", delay, waiting_reason="retry_budget_dry",
+                                           summary=f"retry budget of {situation.channel} is dry: wait {delay:.1f}s"),
+                             failure, situation)
+
+    @staticmethod
+    def _bounded(decision: RetryDecision, failure: Failure, situation: RetrySituation) -> RetryDecision:
+        if decision.action != "fail" and decision.delay_s >= situation.time_left_s:
+            return RetryDecision("fail", fail_code="deadline_exceeded",
+                                 fail_message=f"the business deadline passes before the next try ({failure.message}; "
+                                              f"waiting: {decision.waiting_reason or 'retry_backoff'})")
+        return decision
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ to recover, reconciliation first, or failing with an actionable message."""
 
 from __future__ import annotations
 
-import random
 from datetime import timedelta
 from typing import Any
 
@@ -14,12 +13,13 @@ from tasks import timescale
 from tasks.models import Attempt, Task, VendorChannel
 from tasks.observability import log_event
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
+from tasks.scheduling.channels import serves
 from tasks.services.execution.lease import actor
 from tasks.services.outcomes import task_move
 from tasks.states import State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure
-from tasks.vendors.policies import RetryPolicy
+from tasks.vendors.policies import RetryDecider, RetryPolicy, RetrySituation
 
 S = State
 P = Task.Phase
@@ -52,7 +52,7 @@ def fail(task: Task, *, source: State, code: str, message: str, retryable: bool 
 def other_channels(task: Task, *, excluding: list[str]) -> list[VendorChannel]:
     return [
         c for c in VendorChannel.objects.filter(enabled=True).order_by("preference", "name")
-        if task.kind in (c.kinds or []) and c.name not in excluding
+        if serves(c, task.kind) and c.name not in excluding
     ]
 
 
@@ -75,61 +75,43 @@ def retry_or_fallback(task: Task, failure: Failure, *, source: State, new_operat
     if new_operation:
         # The old job is over: the next submission is a new operation with a new key.
         fields.update(vendor_client_ref="", vendor_idempotency_key="", upload_id="", upload_expires_at=None)
-    flow_control = failure.flow_control
-    attempts_here = task.channel_attempts + (0 if flow_control else 1)
-    spent = not flow_control and policy.exhausted(attempts_here)
     fallbacks = other_channels(task, excluding=[channel.name, *task.abandoned_channels])
-    waiting = "retry_backoff"
-    if failure.breaker_open and fallbacks:
-        fields.update(_abandon(task, channel))
-        delay_real = timescale.seconds(policy.base_s) * 0.1
-        decision = f"breaker open: fall back from {channel.name}"
-    elif failure.breaker_open:
-        delay_real = max(breaker.retry_in_s(channel) or 0.0, timescale.seconds(policy.base_s)) * 1.1
-        decision = "breaker open: wait for it"
-        waiting = "all_channels_down" if not other_channels(task, excluding=[channel.name]) or task.abandoned_channels else "breaker_open"
-    elif spent and not fallbacks and not failure.unavailable:
-        fail(task, source=source, code="retries_exhausted",
-             message=f"{failure.message}; retries on every channel are spent", retryable=True, dead_letter=True,
-             data={"error_class": failure.error_class or "retryable"})
+    breaker_wait = breaker.retry_in_s(channel) if failure.breaker_open else None
+    situation = RetrySituation(
+        channel=channel.name, kind=task.kind, channel_attempts=task.channel_attempts,
+        time_left_s=timescale.nominal((task.deadline_at - now).total_seconds()), has_fallback=bool(fallbacks),
+        other_channels_exist=bool(other_channels(task, excluding=[channel.name])),
+        abandoned_any=bool(task.abandoned_channels), in_outage=task.outage_since is not None,
+        breaker_retry_in_s=timescale.nominal(breaker_wait) if breaker_wait is not None else None,
+    )
+    decider = RetryDecider(policy)
+    decision = decider.decide(failure, situation)
+    if decision.needs_retry_token and not breaker.take_retry_token(channel, timeout=failure.timeout):
+        decision = decider.when_budget_dry(failure, situation)
+    if decision.action == "fail":
+        fail(task, source=source, code=decision.fail_code, message=decision.fail_message, retryable=True,
+             dead_letter=True, data={"error_class": failure.error_class or "retryable"})
         return
-    elif (spent and not fallbacks) or (task.outage_since and failure.unavailable and not flow_control):
-        # Every channel failed and nothing was processed: wait for any of them to recover, one
-        # try per round at the capped backoff (not a new round of fast retries per channel).
+    if decision.action == "fall_back":
+        fields.update(_abandon(task, channel))
+    elif decision.action == "wait_for_channels":
+        # One try per round at the capped backoff, on whichever channel is up then.
         fields.update(_abandon(task, channel), abandoned_channels=[], outage_since=task.outage_since or now)
-        delay_real = timescale.seconds(policy.cap_s) * random.uniform(0.5, 1.0)
-        decision = f"every channel for {task.kind} failed ({failure.code}): wait for one to recover"
-        waiting = "all_channels_down"
-    elif spent:
-        fields.update(_abandon(task, channel))
-        delay_real = timescale.seconds(policy.delay_s(0))
-        decision = f"retries on {channel.name} spent: fall back"
-    elif not flow_control and not breaker.take_retry_token(channel, timeout=failure.timeout):
-        # The channel's retry budget is dry: slow down rather than multiply an outage's traffic.
-        delay_real = timescale.seconds(policy.cap_s) * random.uniform(0.5, 1.0)
-        decision = f"retry budget of {channel.name} is dry: wait {timescale.nominal(delay_real):.1f}s"
-        waiting = "retry_budget_dry"
-    else:
-        delay_real = timescale.seconds(policy.delay_s(task.channel_attempts, failure.retry_after_s))
-        fields.update(channel_attempts=attempts_here)
-        decision = f"retry on {channel.name} in {timescale.nominal(delay_real):.1f}s"
-        waiting = "rate_limited" if failure.code == "http_429" else "retry_backoff"
+    elif decision.counts_attempt:
+        fields.update(channel_attempts=task.channel_attempts + 1)
+    delay_real = timescale.seconds(decision.delay_s)
+    waiting = decision.waiting_reason or "retry_backoff"
     due = now + timedelta(seconds=delay_real)
-    if due >= task.deadline_at:
-        fail(task, source=source, code="deadline_exceeded",
-             message=f"the business deadline passes before the next try ({failure.message}; waiting: {waiting})",
-             retryable=True, dead_letter=True, data={"error_class": failure.error_class or "retryable"})
-        return
     fields.update(due_at=due, retries=F("retries") + 1, waiting_reason=waiting)
     task_move(
         task.pk, source=source, target=S.RETRY_WAIT, generation=task.generation, actor=actor(),
-        reason=f"{failure.code}: {decision}", fields=fields, attempt_outcome=Attempt.Outcome.RETRY,
+        reason=f"{failure.code}: {decision.summary}", fields=fields, attempt_outcome=Attempt.Outcome.RETRY,
         data={"error_class": failure.error_class, "retry_after_s": failure.retry_after_s, "delay_s": round(delay_real, 3),
               "waiting_reason": waiting},
     )
     slots_release(task.pk, JOB, UPLOAD, reason="not processed: retry later")
     log_event("retry_scheduled", task_id=task.pk, channel=channel.name, code=failure.code, delay_s=round(delay_real, 3),
-              retry_after_s=failure.retry_after_s, decision=decision)
+              retry_after_s=failure.retry_after_s, decision=decision.summary)
 
 
 def _abandon(task: Task, channel: VendorChannel) -> dict[str, Any]:
