@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
@@ -194,10 +195,10 @@ class TaskAdmin(ReadOnly):
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
         jobs = list(VendorJob.objects.filter(task=task).order_by("created_at"))
         ledger = {e.job_id: e for e in LedgerEntry.objects.filter(job_id__in=[j.vendor_job_id for j in jobs])}
-        from tasks.services.operations import applicable
+        from tasks.services.operations import CONFIRMATIONS, applicable
 
         actions = [
-            (name, label) for name, (permission, _, label) in TASK_ACTIONS.items()
+            (name, label, CONFIRMATIONS.get(name, "")) for name, (permission, _, label) in TASK_ACTIONS.items()
             if request.user.has_perm(permission) and applicable(name, task)
         ]
         context = {
@@ -342,11 +343,45 @@ class LaneAdmin(Configurable):
         self.message_user(request, f"{queryset.count()} lane(s) resumed")
 
 
+class VendorChannelForm(forms.ModelForm):
+    """A channel's configuration, checked against what its dialect can do."""
+
+    class Meta:
+        model = VendorChannel
+        fields = "__all__"
+
+    def clean(self):
+        from tasks.vendors.capabilities import CapabilityError
+        from tasks.vendors.dialects import DIALECTS
+
+        data = super().clean()
+        dialect = data.get("dialect")
+        if dialect not in DIALECTS:
+            return data
+        base = DIALECTS[dialect][1]
+        overrides = data.get("capability_overrides") or {}
+        if not isinstance(overrides, dict):
+            self.add_error("capability_overrides", 'Give a JSON object, e.g. {"reconcile_by": "none"}.')
+            return data
+        try:
+            capabilities = base.narrowed(overrides)
+        except CapabilityError as error:
+            self.add_error("capability_overrides", str(error))
+            return data
+        unsupported = sorted(set(data.get("kinds") or []) - capabilities.kinds)
+        if unsupported:
+            self.add_error("kinds", f"The {dialect} dialect does not do {', '.join(unsupported)}.")
+        if data.get("mode") and data["mode"] not in capabilities.upload_modes:
+            self.add_error("mode", f"The {dialect} dialect only takes files {' or '.join(sorted(capabilities.upload_modes))}.")
+        return data
+
+
 @admin.register(VendorChannel, site=site)
 class VendorChannelAdmin(Configurable):
-    list_display = ("name", "base_url", "mode", "preference", "enabled", "max_inflight_jobs", "max_concurrent_uploads",
-                    "breaker")
+    list_display = ("name", "dialect", "base_url", "mode", "preference", "enabled", "max_inflight_jobs",
+                    "max_concurrent_uploads", "breaker")
     change_form_template = "console/channel_change_form.html"
+    form = VendorChannelForm
 
     @admin.display(description="breaker")
     def breaker(self, obj: VendorChannel):
@@ -357,8 +392,6 @@ class VendorChannelAdmin(Configurable):
     def get_form(self, request, obj=None, change=False, **kwargs):
         form = super().get_form(request, obj, change, **kwargs)
         # Secrets are write-only: shown as a password box, never echoed back.
-        from django import forms
-
         for name in ("api_key", "webhook_secret"):
             if name in form.base_fields:
                 form.base_fields[name].widget = forms.PasswordInput(render_value=True)
@@ -372,7 +405,15 @@ class VendorChannelAdmin(Configurable):
         channel = VendorChannel.objects.filter(pk=object_id).first()
         extra_context = {**(extra_context or {})}
         if channel:
+            from tasks.vendors.capabilities import CapabilityError
+            from tasks.vendors.dialects import capabilities_for
+
+            try:
+                capabilities = capabilities_for(channel).as_dict()
+            except (CapabilityError, KeyError):
+                capabilities = None
             extra_context.update(
+                capabilities=capabilities,
                 health=health_for(channel),
                 transitions=BreakerTransition.objects.filter(channel=channel)[:20],
                 breaker_choices=BREAKER_CHOICES,

@@ -67,3 +67,13 @@ def positive_float_at_most(limit: float) -> Callable[[str], float]:
         return value
 
     return cast
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def cast(raw: str) -> str:
+        value = raw.strip()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+
+    return cast

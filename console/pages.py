@@ -31,7 +31,7 @@ from console.dashboard import dashboard_context
 from console.models import BulkOperation, PocRun
 from tasks.models import DuplicateIncident, LedgerEntry, Quarantine, Task, VendorChannel, VendorJob
 from tasks.services.audit import audit
-from tasks.services.operations import TASK_ACTIONS
+from tasks.services.operations import CONFIRMATIONS, TASK_ACTIONS
 from tasks.states import State
 
 
@@ -120,6 +120,11 @@ def build(site) -> list:
         if not request.user.has_perm(permission):
             raise PermissionDenied(f"your role may not do this ({permission})")
         task = get_object_or_404(Task.objects.select_related("file"), pk=task_id)
+        if action in CONFIRMATIONS and request.POST.get("confirm") != "yes":
+            messages.error(request, f"{label}: tick “{CONFIRMATIONS[action]}” to confirm.")
+            audit(actor=request.user.get_username(), action=f"task_{action}", target_type="task", target_id=str(task.pk),
+                  skipped=1, detail={"reason": "not confirmed"})
+            return HttpResponseRedirect(reverse("admin:tasks_task_change", args=[task.pk]))
         outcome = function(task, request.user.get_username())
         audit(actor=request.user.get_username(), action=f"task_{action}", target_type="task", target_id=str(task.pk),
               done=int(outcome.done), skipped=int(not outcome.done), detail={"reason": outcome.reason} if outcome.reason else {})

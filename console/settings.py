@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from console.env import env, parse_mapping, positive_float_at_most
+from console.env import env, one_of, parse_mapping, positive_float_at_most
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # pytest sets PYTEST_VERSION: tests (and the processes they start) keep their data apart.
@@ -166,6 +166,9 @@ PRECHECK_WALL_S = env("SLUICE_PRECHECK_WALL_S", 20.0)
 PRECHECK_PLUGINS = env("SLUICE_PRECHECK_PLUGINS", [])
 VENDOR_PRIMARY_URL = env("SLUICE_VENDOR_PRIMARY_URL", "http://127.0.0.1:9100/primary")
 VENDOR_FALLBACK_URL = env("SLUICE_VENDOR_FALLBACK_URL", "http://127.0.0.1:9100/fallback")
+# The vendor dialect of each channel created on first migrate (sluice | assemblyai).
+VENDOR_PRIMARY_DIALECT = env("SLUICE_VENDOR_PRIMARY_DIALECT", "sluice", cast=one_of("sluice", "assemblyai"))
+VENDOR_FALLBACK_DIALECT = env("SLUICE_VENDOR_FALLBACK_DIALECT", "sluice", cast=one_of("sluice", "assemblyai"))
 VENDOR_API_KEY = env("SLUICE_VENDOR_API_KEY", "dev-vendor-key")
 VENDOR_WEBHOOK_SECRET = env("SLUICE_VENDOR_WEBHOOK_SECRET", "dev-webhook-secret")
 FAKEVENDOR_URL = env("FAKEVENDOR_URL", "http://127.0.0.1:9100")

@@ -165,7 +165,18 @@ class VendorChannel(models.Model):
         SIZE_DERIVED = "size_derived"
         FIXED = "fixed"
 
+    class Dialect(models.TextChoices):
+        """Which adapter speaks for the channel (tasks/vendors/dialects.py)."""
+
+        SLUICE = "sluice", "Sluice vendor API (shared/contracts/vendor-api.md)"
+        ASSEMBLYAI = "assemblyai", "AssemblyAI v2"
+
     name = models.SlugField(max_length=32, primary_key=True)
+    dialect = models.CharField(max_length=32, choices=Dialect.choices, default=Dialect.SLUICE)
+    capability_overrides = models.JSONField(
+        default=dict, blank=True,
+        help_text='Declare this vendor weaker than its dialect, e.g. {"reconcile_by": "none"} when its job list cannot be trusted.',
+    )
     base_url = models.URLField()
     api_key = models.CharField(max_length=200)
     webhook_secret = models.CharField(max_length=200, blank=True)

@@ -8,6 +8,8 @@ environment (the benchmarks and the 1 GiB test run it).
 import hashlib
 import os
 import sys
+import time
+from pathlib import Path
 
 import django
 
@@ -15,7 +17,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 django.setup()
 
 from tasks.models import VendorChannel
-from tasks.vendors.client import VendorClient
+from tasks.vendors.dialects import adapter_for
+from tasks.vendors.protocol import JobRequest, Operation
 
 
 def peak_rss_mb() -> float:
@@ -36,16 +39,15 @@ def main() -> None:
         while chunk := handle.read(1024 * 1024):
             digest.update(chunk)
     before = peak_rss_mb()
-    client = VendorClient(channel)
-    import time
-
+    vendor = adapter_for(channel)
+    operation = Operation(client_ref="rss-1", idempotency_key="rss-1")
     started = time.monotonic()
     if mode == "two_step":
-        receipt = client.upload(__import__("pathlib").Path(path), size=size, sha256=digest.hexdigest())
+        receipt = vendor.upload(Path(path), size=size, sha256=digest.hexdigest(), operation=operation)
         answer = receipt.upload_id
     else:
-        created = client.create_job(kind="transcription", target_format="txt", client_ref="rss-1", idempotency_key="rss-1",
-                                    inline_path=__import__("pathlib").Path(path), size=size, sha256=digest.hexdigest())
+        created = vendor.create_job(JobRequest(kind="transcription", target_format="txt", operation=operation,
+                                               inline_path=Path(path), size=size, sha256=digest.hexdigest()))
         answer = created.job.id
     elapsed = time.monotonic() - started
     peak = peak_rss_mb()

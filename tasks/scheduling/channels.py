@@ -11,9 +11,15 @@ from dataclasses import dataclass
 from tasks.models import ChannelHealth, Task, VendorChannel
 from tasks.scheduling.budgets import channel_usage
 from tasks.vendors import breaker
+from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.policies import BreakerPolicy
 
 B = ChannelHealth.Breaker
+
+
+def serves(channel: VendorChannel, kind: str) -> bool:
+    """The channel is configured for this kind of work and its vendor's dialect can do it."""
+    return kind in (channel.kinds or []) and kind in capabilities_for(channel).kinds
 
 
 @dataclass
@@ -69,7 +75,7 @@ def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | Non
     preferred = [r for r in ordered if r.channel.name == task.channel_id]
     candidates = preferred + [r for r in ordered if r.channel.name != task.channel_id]
     for room in candidates:
-        if task.kind not in (room.channel.kinds or []) or room.channel.name in (task.abandoned_channels or []):
+        if not serves(room.channel, task.kind) or room.channel.name in (task.abandoned_channels or []):
             continue
         if room.fits(task.lane_id or "interactive"):
             return room
@@ -78,6 +84,6 @@ def pick_channel(task: Task, rooms: dict[str, ChannelRoom]) -> ChannelRoom | Non
 
 def channels_down_for(task: Task, rooms: dict[str, ChannelRoom]) -> bool:
     """No channel that could take this task (its kind, not abandoned by it) is up."""
-    usable = [r for r in rooms.values() if task.kind in (r.channel.kinds or [])
+    usable = [r for r in rooms.values() if serves(r.channel, task.kind)
               and r.channel.name not in (task.abandoned_channels or [])]
     return not any(r.available for r in usable)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tasks.models import Task
 from tasks.scheduling import quotas
-from tasks.scheduling.channels import channel_rooms
+from tasks.scheduling.channels import channel_rooms, serves
 from tasks.scheduling.lanes import lane_running
 from tasks.states import State
 
@@ -36,7 +36,7 @@ def waiting_reason(task: Task) -> str | None:
         return "tenant_at_quota"
     rooms = [
         r for r in channel_rooms().values()
-        if task.kind in (r.channel.kinds or []) and r.channel.name not in (task.abandoned_channels or [])
+        if serves(r.channel, task.kind) and r.channel.name not in (task.abandoned_channels or [])
     ]
     if rooms and not any(r.available for r in rooms):
         return "breaker_open"

@@ -34,9 +34,10 @@ from tasks.models import (
 from tasks.observability import log_event
 from tasks.vendors.breaker import health_for
 from tasks.vendors.classification import Outcome
-from tasks.vendors.client import VendorClient
+from tasks.vendors.dialects import adapter_for, capabilities_for
 from tasks.vendors.errors import VendorError
 from tasks.vendors.policies import RetryPolicy
+from tasks.vendors.protocol import BillingEntry, BillingPage, VendorAdapter
 
 # A ledger sync retries a page this many times, waiting at most this long in all (nominal).
 LEDGER_TRIES_PER_PAGE = 4
@@ -122,19 +123,24 @@ def ledger_sync(*, channel: VendorChannel, page_size: int = 1000, max_pages: int
     sync's own time budget. A sync that could not finish says so, keeps its cursor, and is due
     again later: it never reports "done" for what it did not read."""
     health = health_for(channel)
-    client = VendorClient(channel)
+    if not capabilities_for(channel).billing_ledger:
+        summary = f"not applicable: {channel.dialect} publishes no usage ledger (billing is known from our job records)"
+        ChannelHealth.objects.filter(pk=channel.pk).update(ledger_sync_status=summary, ledger_synced_at=timezone.now(),
+                                                           ledger_sync_due_at=None)
+        return LedgerSyncReport(channel.name, 0, 0, True, summary)
+    vendor = adapter_for(channel)
     cursor = health.ledger_cursor or None
     deadline = time.monotonic() + timescale.seconds(budget_s)
     added = pages = 0
     stopped = None
     for _ in range(max_pages):
-        page, stopped = _ledger_page(client, cursor=cursor, limit=page_size, deadline=deadline)
+        page, stopped = _ledger_page(vendor, channel, cursor=cursor, limit=page_size, deadline=deadline)
         if page is None:
             break
         pages += 1
-        for entry in page["data"]:
+        for entry in page.entries:
             added += _ledger_entry_store(channel, entry)
-        cursor = page.get("next_cursor")
+        cursor = page.next_cursor
         if cursor:
             ChannelHealth.objects.filter(pk=channel.pk).update(ledger_cursor=cursor)
         if not cursor:
@@ -157,13 +163,14 @@ def ledger_sync(*, channel: VendorChannel, page_size: int = 1000, max_pages: int
     return LedgerSyncReport(channel.name, added, pages, False, summary, retry_in_s=retry_in)
 
 
-def _ledger_page(client: VendorClient, *, cursor: str | None, limit: int, deadline: float) -> tuple[dict | None, str | None]:
+def _ledger_page(vendor: VendorAdapter, channel: VendorChannel, *, cursor: str | None, limit: int,
+                 deadline: float) -> tuple[BillingPage | None, str | None]:
     """One page, retried within the budget; (page, None) or (None, why it stopped)."""
-    policy = RetryPolicy.for_channel(client.channel)
+    policy = RetryPolicy.for_channel(channel)
     why = "the time budget"
     for attempt in range(LEDGER_TRIES_PER_PAGE):
         try:
-            return client.usage(cursor=cursor, limit=limit), None
+            return vendor.list_billing(cursor=cursor, limit=limit), None
         except VendorError as err:
             why = f"{err.error_class or err.code} ({err.message})"
             if err.outcome not in (Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS):
@@ -175,14 +182,12 @@ def _ledger_page(client: VendorClient, *, cursor: str | None, limit: int, deadli
     return None, why
 
 
-def _ledger_entry_store(channel: VendorChannel, entry: dict[str, Any]) -> int:
+def _ledger_entry_store(channel: VendorChannel, entry: BillingEntry) -> int:
     _, created = LedgerEntry.objects.get_or_create(
-        channel=channel, entry_id=str(entry["entry_id"]),
+        channel=channel, entry_id=entry.entry_id,
         defaults=dict(
-            job_id=str(entry.get("job_id") or ""), client_ref=str(entry.get("client_ref") or "")[:100],
-            idempotency_key=str(entry.get("idempotency_key") or "")[:255], units=entry.get("units") or 0,
-            unit=str(entry.get("unit") or "")[:20], amount_cents=int(entry.get("amount_cents") or 0),
-            billed_at=_time(entry.get("created_at")),
+            job_id=entry.job_id, client_ref=entry.client_ref[:100], idempotency_key=entry.idempotency_key[:255],
+            units=entry.units, unit=entry.unit[:20], amount_cents=entry.amount_cents, billed_at=_time(entry.created_at),
         ),
     )
     return int(created)

@@ -14,6 +14,7 @@ from tasks.models import ChannelHealth, DeadLetter, Lane, Task, VendorChannel
 from tasks.services.audit import audit
 from tasks.services.cancel import task_cancel
 from tasks.services.dispatch import dispatch_soon
+from tasks.services.execution.reconcile import operator_decides
 from tasks.services.replay import replay_refusal, task_replay
 from tasks.states import TERMINAL_STATES, State
 from tasks.vendors import breaker
@@ -58,12 +59,37 @@ def discard_dead_letter(task: Task, actor: str) -> Outcome:
     return Outcome(bool(updated), "" if updated else "no open dead letter")
 
 
+def resend_accepting_duplicate(task: Task, actor: str) -> Outcome:
+    """For a task whose vendor cannot be searched: send the operation again although the vendor
+    may hold a job for it already (a second charge is then detected and reported)."""
+    if task.waiting_reason != "needs_operator":
+        return Outcome(False, f"not waiting for an operator ({task.state})")
+    done = operator_decides(task, decision="resend", actor_name=actor)
+    return Outcome(done, "" if done else "it moved on meanwhile")
+
+
+def mark_not_created(task: Task, actor: str) -> Outcome:
+    """The operator checked the vendor's own console: no job exists for this task; send it again."""
+    if task.waiting_reason != "needs_operator":
+        return Outcome(False, f"not waiting for an operator ({task.state})")
+    done = operator_decides(task, decision="not_created", actor_name=actor)
+    return Outcome(done, "" if done else "it moved on meanwhile")
+
+
 TASK_ACTIONS: dict[str, tuple[str, Callable[[Task, str], Outcome], str]] = {
     # name: (permission, function, label)
     "retry_now": ("tasks.operate_tasks", retry_now, "Retry now"),
     "cancel": ("tasks.operate_tasks", cancel, "Cancel"),
     "replay": ("tasks.operate_tasks", replay, "Replay (same task, new generation)"),
     "discard": ("tasks.manage_quarantine", discard_dead_letter, "Discard dead letter"),
+    "resend_accept_duplicate": ("tasks.operate_tasks", resend_accepting_duplicate,
+                                "Resend (I accept a possible duplicate)"),
+    "mark_not_created": ("tasks.operate_tasks", mark_not_created, "Mark as not created, then resend"),
+}
+# Actions that need the operator to confirm what they assert, in these words.
+CONFIRMATIONS = {
+    "resend_accept_duplicate": "I accept that the vendor may bill this task twice.",
+    "mark_not_created": "I checked the vendor's own records: it holds no job for this task.",
 }
 
 
@@ -77,6 +103,8 @@ def applicable(action: str, task: Task) -> bool:
         return task.state in (State.FAILED, State.EXPIRED)
     if action == "discard":
         return DeadLetter.objects.filter(task=task, resolved_at__isnull=True).exists()
+    if action in ("resend_accept_duplicate", "mark_not_created"):
+        return task.state == State.RECONCILING and task.waiting_reason == "needs_operator"
     return False
 
 

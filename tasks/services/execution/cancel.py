@@ -10,11 +10,10 @@ from tasks import timescale
 from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorJob
 from tasks.services.execution.guard import leased
-from tasks.services.execution.jobs import cancel_vendor_job, record_job
+from tasks.services.execution.jobs import cancel_vendor_job, operation_of, record_job, vendor_of
 from tasks.services.execution.lease import actor
 from tasks.services.outcomes import task_move
 from tasks.states import State
-from tasks.vendors.client import VendorClient
 from tasks.vendors.errors import VendorError
 from tasks.vendors.policies import PollPolicy, RetryPolicy
 
@@ -31,10 +30,10 @@ def _cancel(task: Task) -> str:
     generation = task.generation
     channel = task.channel
     open_jobs = list(VendorJob.objects.filter(task=task, terminal_at__isnull=True))
-    if channel is not None and task.vendor_client_ref:
-        client = VendorClient(channel, task_id=task.pk, generation=generation)
+    vendor = vendor_of(task) if channel is not None else None
+    if vendor is not None and task.vendor_client_ref and vendor.capabilities.can_reconcile:
         try:
-            for view in client.list_jobs(task.vendor_client_ref):
+            for view in vendor.find_jobs(operation_of(task)):
                 job = record_job(task, channel, view, adopted=True)
                 if job.terminal_at is None and job not in open_jobs:
                     open_jobs.append(job)
@@ -46,7 +45,7 @@ def _cancel(task: Task) -> str:
     still_running = []
     for job in open_jobs:
         VendorJob.objects.filter(pk=job.pk).update(cancel_requested_at=job.cancel_requested_at or timezone.now())
-        status = cancel_vendor_job(job)
+        status = cancel_vendor_job(job, vendor if vendor is not None and job.channel_id == channel.name else None)
         if status not in ("canceled", "completed", "failed", "gone"):
             still_running.append(job)
     if still_running:

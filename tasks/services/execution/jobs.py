@@ -11,8 +11,9 @@ from tasks.services.billing import task_billing_check
 from tasks.states import State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure, Outcome
-from tasks.vendors.client import JobView, VendorClient
+from tasks.vendors.dialects import adapter_for
 from tasks.vendors.errors import VendorError
+from tasks.vendors.protocol import JobView, Operation, VendorAdapter
 
 S = State
 P = Task.Phase
@@ -20,6 +21,16 @@ P = Task.Phase
 
 # A job that answers 404 this soon after we created it is "not visible yet", not gone.
 TRANSIENT_404_WINDOW_S = 30.0
+
+
+def operation_of(task: Task) -> Operation:
+    """The task's current vendor operation, as an adapter finds it again."""
+    return Operation(client_ref=task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
+                     upload_ref=task.upload_id)
+
+
+def vendor_of(task: Task) -> VendorAdapter:
+    return adapter_for(task.channel, task_id=task.pk, generation=task.generation)
 
 
 def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None) -> VendorJob:
@@ -47,13 +58,13 @@ def job_failure(view: JobView) -> Failure:
                    message=view.error_message or f"the vendor job ended {view.status}", error_class="VendorJobFailed")
 
 
-def audit_duplicates(task: Task, channel: VendorChannel, client: VendorClient, *, keep_job_id: str) -> int:
-    """List the operation's jobs: more than one means the vendor ignored our key. Cancel the extras."""
-    client_ref = task.vendor_client_ref
-    if not client_ref:
+def audit_duplicates(task: Task, channel: VendorChannel, vendor: VendorAdapter, *, keep_job_id: str) -> int:
+    """List the operation's jobs: more than one means the vendor ignored our key (or has none, or
+    double-created). The extras are recorded, reported and stopped."""
+    if not task.vendor_client_ref or not vendor.capabilities.can_reconcile:
         return 0
     try:
-        jobs = client.list_jobs(client_ref)
+        jobs = vendor.find_jobs(operation_of(task))
     except VendorError:
         return 0
     extras = [j for j in jobs if j.id != keep_job_id]
@@ -65,20 +76,28 @@ def audit_duplicates(task: Task, channel: VendorChannel, client: VendorClient, *
         VendorJob.objects.filter(pk=record.pk).update(duplicate_of=keep)
         if not view.terminal:
             VendorJob.objects.filter(pk=record.pk).update(cancel_requested_at=timezone.now())
-            cancel_vendor_job(record, client)
+            cancel_vendor_job(record, vendor)
     task_billing_check(task.pk)
     return len(extras)
 
 
-def cancel_vendor_job(job: VendorJob, client: VendorClient | None = None) -> str | None:
-    """Ask the vendor to stop a job; returns the status it reports (None if unreachable)."""
-    client = client or VendorClient(job.channel, task_id=job.task_id)
+def cancel_vendor_job(job: VendorJob, vendor: VendorAdapter | None = None) -> str | None:
+    """Ask the vendor to stop a job; returns the status it reports (None if unreachable).
+
+    A vendor that cannot stop a job (capabilities.cancel false) is asked how it is: a finished job
+    is then dropped (its data deleted where the vendor allows it), a running one is left to end."""
+    vendor = vendor or adapter_for(job.channel, task_id=job.task_id)
     try:
-        view = client.cancel_job(job.vendor_job_id)
+        if vendor.capabilities.cancel:
+            view = vendor.cancel_job(job.vendor_job_id)
+        else:
+            view = vendor.get_job(job.vendor_job_id)
+            if view.terminal:
+                _drop_finished(vendor, job)
     except VendorError as err:
         if err.code == "already_finished" or err.status == 409:
             try:
-                view = client.get_job(job.vendor_job_id)
+                view = vendor.get_job(job.vendor_job_id)
             except VendorError:
                 return None
         elif err.status == 404:
@@ -90,6 +109,14 @@ def cancel_vendor_job(job: VendorJob, client: VendorClient | None = None) -> str
     if view.terminal:
         vendor_job_terminal(job, view.status)
     return view.status
+
+
+def _drop_finished(vendor: VendorAdapter, job: VendorJob) -> None:
+    """A finished job nobody wants: its data is deleted at the vendor (best effort)."""
+    try:
+        vendor.cancel_job(job.vendor_job_id)
+    except VendorError:
+        pass
 
 
 def orphan_check(job: VendorJob) -> None:
@@ -114,7 +141,7 @@ def step_probe(channel_name: str) -> str:
     if channel is None or not breaker.is_available(channel):
         return "skipped"
     try:
-        VendorClient(channel).probe()
+        adapter_for(channel).probe()
     except VendorError as err:
         return f"probe_failed:{err.code}"
     return "probe_ok"

@@ -14,7 +14,12 @@ from tasks.observability import log_event
 from tasks.scheduling.budgets import vendor_job_terminal
 from tasks.services.billing import task_billing_check
 from tasks.services.execution.guard import leased
-from tasks.services.execution.jobs import TRANSIENT_404_WINDOW_S, audit_duplicates, job_failure
+from tasks.services.execution.jobs import (
+    TRANSIENT_404_WINDOW_S,
+    audit_duplicates,
+    job_failure,
+    vendor_of,
+)
 from tasks.services.execution.lease import actor
 from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
 from tasks.services.outcomes import task_move
@@ -23,9 +28,9 @@ from tasks.states import State
 from tasks.storage import attempt_result_path, relative_result
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure, Outcome
-from tasks.vendors.client import JobView, VendorClient
 from tasks.vendors.errors import VendorError
 from tasks.vendors.policies import PollPolicy, RetryPolicy
+from tasks.vendors.protocol import JobView
 
 S = State
 P = Task.Phase
@@ -42,9 +47,9 @@ def step_poll(task_id: Any, generation: int) -> str:
 
 def _poll(task: Task) -> str:
     job = task.vendor_job
-    client = VendorClient(task.channel, task_id=task.pk, generation=task.generation)
+    vendor = vendor_of(task)
     try:
-        view = client.get_job(job.vendor_job_id)
+        view = vendor.get_job(job.vendor_job_id)
     except VendorError as err:
         young = (timezone.now() - job.created_at).total_seconds() < timescale.seconds(TRANSIENT_404_WINDOW_S)
         if err.status == 404 and not young:
@@ -116,10 +121,10 @@ def _completed(task: Task, job: VendorJob, view: JobView) -> str:
 def _fetch(task: Task) -> str:
     g = task.generation
     job = task.vendor_job
-    client = VendorClient(task.channel, task_id=task.pk, generation=g)
+    vendor = vendor_of(task)
     dest = attempt_result_path(task.pk, g)
     try:
-        fetched = client.fetch_result(job.vendor_job_id, dest)
+        fetched = vendor.fetch_result(job.vendor_job_id, dest, target_format=task.target_format)
     except VendorError as err:
         dest.unlink(missing_ok=True)
         if err.status == 404:
@@ -146,7 +151,7 @@ def _fetch(task: Task) -> str:
             return "fetch_retry"
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="result_digest_mismatch")
         return _integrity_failure(task, "the result's sha256 does not match what the vendor declared")
-    audit_duplicates(task, task.channel, client, keep_job_id=job.vendor_job_id)
+    audit_duplicates(task, task.channel, vendor, keep_job_id=job.vendor_job_id)
     moved = task_move(
         task.pk, source=S.RUNNING, target=S.SUCCEEDED, generation=g, actor=actor(), reason="result fetched and verified",
         fields=dict(result_path=relative_result(dest), result_sha256=fetched.sha256, result_size=fetched.size,

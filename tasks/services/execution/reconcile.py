@@ -24,7 +24,9 @@ from tasks.services.execution.jobs import (
     audit_duplicates,
     cancel_vendor_job,
     job_failure,
+    operation_of,
     record_job,
+    vendor_of,
 )
 from tasks.services.execution.lease import actor, worker_id
 from tasks.services.execution.retry import fail, retry_or_fallback
@@ -32,9 +34,10 @@ from tasks.services.outcomes import task_move
 from tasks.states import State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure, Outcome
-from tasks.vendors.client import JobView, VendorClient
+from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.errors import VendorError
 from tasks.vendors.policies import PollPolicy, RetryPolicy
+from tasks.vendors.protocol import JobView
 
 S = State
 P = Task.Phase
@@ -54,14 +57,18 @@ def _reconcile(task: Task) -> str:
     stop_first = task.error_code in STOP_FIRST
     if channel is None or not task.vendor_client_ref:
         return _reconciled_none(task, "no vendor operation was started")
-    client = VendorClient(channel, task_id=task.pk, generation=generation)
+    vendor = vendor_of(task)
     known = task.vendor_job
+    if known is None and not vendor.capabilities.can_reconcile:
+        return _hold_for_operator(task)
     known_missing = False
     try:
-        jobs = client.list_jobs(task.vendor_client_ref)
+        # A vendor that can be searched is asked for every job of the operation; one that cannot
+        # is only asked about the job we know.
+        jobs = vendor.find_jobs(operation_of(task)) if vendor.capabilities.can_reconcile else []
         if known and all(j.id != known.vendor_job_id for j in jobs):
             try:
-                jobs.append(client.get_job(known.vendor_job_id))
+                jobs.append(vendor.get_job(known.vendor_job_id))
             except VendorError as err:
                 if err.status != 404:
                     raise
@@ -78,13 +85,13 @@ def _reconcile(task: Task) -> str:
     for view in jobs:
         record_job(task, channel, view, adopted=True)
     if len(jobs) > 1:
-        audit_duplicates(task, channel, client, keep_job_id=keep.id)
+        audit_duplicates(task, channel, vendor, keep_job_id=keep.id)
     record = VendorJob.objects.get(channel=channel, vendor_job_id=keep.id)
     slots_release(task.pk, JOB, reason="bound to adopted vendor job")
     log_event("reconciled", task_id=task.pk, channel=channel.name, decision="adopt", vendor_job_id=keep.id)
     if stop_first and not keep.terminal:
         VendorJob.objects.filter(pk=record.pk, cancel_requested_at__isnull=True).update(cancel_requested_at=timezone.now())
-        status = cancel_vendor_job(record, client)
+        status = cancel_vendor_job(record, vendor)
         if status not in VendorJob.TERMINAL and status != "gone":
             # Not stopped yet: a new execution starts only once this one is confirmed ended.
             task_update(task.pk, state=S.RECONCILING, generation=generation, lease_owner="", lease_expires_at=None,
@@ -124,6 +131,54 @@ def _reconcile(task: Task) -> str:
         Attempt.objects.create(task=task, generation=moved.generation, owner=worker_id(), host=socket.gethostname()[:100],
                                pid=os.getpid(), channel=channel, vendor_job_id=keep.id, note="adopted after reconciliation")
     return "adopted"
+
+
+def _hold_for_operator(task: Task) -> str:
+    """The vendor may have created a job and cannot be searched for it (reconcile_by none): a
+    resend could pay twice, so nothing is resent. An operator decides (see operator_decides)."""
+    channel = task.channel
+    first = task.waiting_reason != "needs_operator"
+    task_update(task.pk, state=S.RECONCILING, generation=task.generation, due_at=None, enqueued_at=None,
+                lease_owner="", lease_expires_at=None, waiting_reason="needs_operator")
+    if first:
+        lifecycle.record_event(
+            task.pk, generation=task.generation, actor=actor(),
+            reason=f"reconciliation needs an operator: {channel.name} ({channel.dialect}) cannot be searched for the "
+                   f"operation after {task.error_code or 'an ambiguous failure'}; nothing is resent until an operator decides",
+            data={"needs_operator": True, "cannot_reconcile": True, "last_error": task.error_code,
+                  "client_ref": task.vendor_client_ref, "upload_ref": task.upload_id, "channel": channel.name},
+        )
+        log_event("needs_operator", logging.WARNING, task_id=task.pk, channel=channel.name, reason="cannot_reconcile")
+    return "needs_operator"
+
+
+# What an operator may decide for a task that waits for one, and what the decision asserts.
+OPERATOR_DECISIONS = {
+    "resend": "resend, accepting a possible duplicate",
+    "not_created": "marked as not created at the vendor, then resent",
+}
+
+
+def operator_decides(task: Task, *, decision: str, actor_name: str) -> bool:
+    """An operator's answer for a task held in RECONCILING (needs_operator): the operation is sent
+    again with the same key (RETRY_WAIT, due now). `decision` says what the operator asserted:
+    `not_created` (they checked the vendor: nothing exists) or `resend` (they accept that a
+    second job may be billed, and reported as such if it is)."""
+    if decision not in OPERATOR_DECISIONS:
+        raise ValueError(f"decision must be one of {', '.join(OPERATOR_DECISIONS)}")
+    if task.state != S.RECONCILING or task.waiting_reason != "needs_operator":
+        return False
+    moved = task_move(
+        task.pk, source=S.RECONCILING, target=S.RETRY_WAIT, generation=task.generation, actor=actor_name,
+        reason=f"operator {actor_name}: {OPERATOR_DECISIONS[decision]}",
+        fields=dict(due_at=timezone.now(), enqueued_at=None, dispatched_at=None, lease_owner="", lease_expires_at=None,
+                    reconcile_rounds=0, phase=""),
+        data={"operator_decision": decision, "accepts_duplicate": decision == "resend",
+              "can_reconcile": capabilities_for(task.channel).can_reconcile if task.channel else None},
+    )
+    if moved:
+        slots_release(task.pk, JOB, UPLOAD, reason=f"operator: {decision}")
+    return moved is not None
 
 
 def _reconcile_later(task: Task, failure: Failure) -> str:

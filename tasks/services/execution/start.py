@@ -23,16 +23,25 @@ from tasks.models import Attempt, Task, VendorChannel
 from tasks.observability import log_event
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.services.execution.guard import step_crashed
-from tasks.services.execution.jobs import audit_duplicates, orphan_check, record_job
+from tasks.services.execution.jobs import (
+    audit_duplicates,
+    operation_of,
+    orphan_check,
+    record_job,
+    vendor_of,
+)
 from tasks.services.execution.lease import Lease, actor, lease_seconds, load_task, worker_id
 from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
 from tasks.services.quarantine import poison_check
 from tasks.states import State
 from tasks.vendors import breaker
+from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.classification import Outcome
-from tasks.vendors.client import SEND_BUFFER, Created, VendorClient
+from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.errors import StopUpload, VendorError
+from tasks.vendors.http import SEND_BUFFER
 from tasks.vendors.policies import PollPolicy
+from tasks.vendors.protocol import Created, JobRequest
 
 S = State
 P = Task.Phase
@@ -47,7 +56,8 @@ def step_start(task_id: Any, generation: int) -> str:
     moved = lifecycle.transition(
         task.pk, source=S.QUEUED, target=S.RUNNING, generation=generation, actor=actor(), reason="claimed by a worker",
         fields=dict(
-            started_at=task.started_at or now, phase=P.UPLOAD if task.channel.mode == "two_step" else P.CREATE,
+            started_at=task.started_at or now,
+            phase=P.UPLOAD if uses_two_step(task.channel, capabilities_for(task.channel)) else P.CREATE,
             lease_owner=worker_id(), lease_expires_at=lease_expires, attempts=F("attempts") + 1,
             attempt_deadline_at=now + timescale.delta(task.lane.execution_timeout_s), due_at=None, enqueued_at=None,
         ),
@@ -76,16 +86,16 @@ def submit(task: Task, lease: Lease) -> None:
     """Upload (two-step) and create the vendor job with the key persisted at dispatch."""
     g = task.generation
     channel = task.channel
-    client = VendorClient(channel, task_id=task.pk, generation=g)
+    vendor = vendor_of(task)
     file = task.file
     stage = "create"
     started = time.monotonic()
     try:
-        if channel.mode == VendorChannel.Mode.TWO_STEP:
+        if uses_two_step(channel, vendor.capabilities):
             if not task.upload_id or _expired(task.upload_expires_at):
                 stage = "upload"
-                receipt = client.upload(file.path, size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat,
-                                        client_ref=task.vendor_client_ref)
+                receipt = vendor.upload(file.path, size=file.size, sha256=file.sha256, operation=operation_of(task),
+                                        on_chunk=lease.heartbeat)
                 expires = parse_datetime(receipt.expires_at) if receipt.expires_at else None
                 if not task_update(task.pk, state=S.RUNNING, generation=g, upload_id=receipt.upload_id,
                                    upload_expires_at=expires, phase=P.CREATE):
@@ -93,17 +103,13 @@ def submit(task: Task, lease: Lease) -> None:
                 task.upload_id = receipt.upload_id
                 stage = "create"
             slots_release(task.pk, UPLOAD, reason="upload done")
-            created = client.create_job(
-                kind=task.kind, target_format=task.target_format, client_ref=task.vendor_client_ref,
-                idempotency_key=task.vendor_idempotency_key, options=task.params, upload_id=task.upload_id,
-                callback_url=vendor_callback_url(channel),
-            )
+            request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
+                                 options=task.params, upload_ref=task.upload_id, callback_url=vendor_callback_url(channel))
         else:
-            created = client.create_job(
-                kind=task.kind, target_format=task.target_format, client_ref=task.vendor_client_ref,
-                idempotency_key=task.vendor_idempotency_key, options=task.params, inline_path=file.path,
-                size=file.size, sha256=file.sha256, on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel),
-            )
+            request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
+                                 options=task.params, inline_path=file.path, size=file.size, sha256=file.sha256,
+                                 on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel))
+        created = vendor.create_job(request)
     except StopUpload:
         slots_release(task.pk, UPLOAD, reason="upload stopped")
         lease.release()
@@ -122,7 +128,12 @@ def submit(task: Task, lease: Lease) -> None:
     _job_created(task, created)
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
-        audit_duplicates(task, channel, client, keep_job_id=created.job.id)
+        audit_duplicates(task, channel, vendor, keep_job_id=created.job.id)
+
+
+def uses_two_step(channel: VendorChannel, capabilities: Capabilities) -> bool:
+    """Upload first, then create: the channel's mode, unless its vendor only knows this one."""
+    return channel.mode == VendorChannel.Mode.TWO_STEP or "inline" not in capabilities.upload_modes
 
 
 def vendor_callback_url(channel: VendorChannel) -> str | None:
@@ -134,7 +145,7 @@ def vendor_callback_url(channel: VendorChannel) -> str | None:
 
 def upload_drain_s(channel: VendorChannel) -> float:
     """How long an abandoned upload may keep the vendor busy: what our socket buffers still held
-    (the client's send buffer, see client.SEND_BUFFER) at the channel's bandwidth estimate."""
+    (the client's send buffer, see http.SEND_BUFFER) at the channel's bandwidth estimate."""
     return timescale.seconds(4 * SEND_BUFFER / max(channel.upload_bandwidth_bytes_s, 1.0))
 
 

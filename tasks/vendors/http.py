@@ -1,0 +1,342 @@
+"""The HTTP plumbing every HTTP dialect shares (httpx), and nothing dialect-specific.
+
+Every call: asks the channel's breaker for a permit, applies the channel's time layers, streams
+bodies from and to disk, classifies any failure with the one table, writes a VendorCall row and
+one whitelisted log line, and feeds the breaker. Redirects are never followed. No call may be
+made inside a transaction. A dialect gives its authentication headers and says how to read an
+error body; it parses successes itself (a body it cannot read is MalformedResponse).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+from django.db import connection
+from django.utils import timezone
+
+from tasks import timescale
+from tasks.models import ChannelHealth, VendorCall, VendorChannel
+from tasks.observability import log_event
+from tasks.vendors import breaker
+from tasks.vendors.classification import Outcome, Row, classify_exception, classify_status
+from tasks.vendors.errors import (
+    BreakerOpen,
+    MalformedResponse,
+    StopUpload,
+    UploadDeadlineExceeded,
+    VendorError,
+)
+from tasks.vendors.policies import BreakerPolicy, TimeoutPolicy, parse_retry_after
+from tasks.vendors.protocol import FetchedResult
+
+CHUNK = 64 * 1024
+# A small send buffer keeps what the kernel sends on our behalf after we give up on an upload
+# small, so the wall-clock deadline governs the upload rather than megabytes queued in the kernel.
+SEND_BUFFER = 128 * 1024
+MUTATIONS = frozenset({"create_job", "cancel_job"})
+_OK = Row(Outcome.OK, False, "ok")
+_clients: dict[tuple[int, str], httpx.Client] = {}
+
+ErrorDetails = Callable[[httpx.Response], "tuple[str | None, str]"]
+
+
+def _http_client(base_url: str) -> httpx.Client:
+    # One pooled client per process and vendor; django-q2 forks workers, so key by pid.
+    key = (os.getpid(), base_url)
+    client = _clients.get(key)
+    if client is None:
+        transport = httpx.HTTPTransport(
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+            socket_options=[(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)],
+        )
+        client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)
+        _clients[key] = client
+    return client
+
+
+
+class VendorHttp:
+    """Calls to one channel on behalf of one task attempt (for the call records)."""
+
+    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None,
+                 auth_headers: Mapping[str, str], error_details: ErrorDetails) -> None:
+        self.channel = channel
+        self.task_id = task_id
+        self.generation = generation
+        self.timeouts = TimeoutPolicy.for_channel(channel)
+        self.base = channel.base_url.rstrip("/")
+        self.http = _http_client(self.base)
+        self.auth_headers = dict(auth_headers)
+        self.error_details = error_details
+
+    def timeout(self, read_s: float, write_s: float | None = None) -> httpx.Timeout:
+        return httpx.Timeout(
+            connect=timescale.seconds(self.timeouts.connect_s),
+            read=timescale.seconds(read_s),
+            write=timescale.seconds(write_s if write_s is not None else read_s),
+            pool=timescale.seconds(self.timeouts.connect_s),
+        )
+
+    def send_file(
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        file_path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_chunk: Callable[[int], None] | None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        parse: Callable[[httpx.Response], Any] | None = None,
+    ) -> Any:
+        budget_s = timescale.seconds(self.timeouts.upload_budget_s(size))
+        deadline = time.monotonic() + budget_s
+        sent = [0]
+
+        def chunks() -> Iterator[bytes]:
+            # Reopened from byte 0 for every request: a retry never reuses a consumed stream.
+            with open(file_path, "rb") as handle:
+                while True:
+                    chunk = handle.read(CHUNK)
+                    if not chunk:
+                        return
+                    if time.monotonic() > deadline:
+                        raise UploadDeadlineExceeded()
+                    if on_chunk is not None:
+                        on_chunk(len(chunk))
+                    sent[0] += len(chunk)
+                    yield chunk
+
+        all_headers = {
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(size),
+            "X-Content-SHA256": sha256,
+            **(headers or {}),
+        }
+        # The per-write timeout never fires on a slow trickle; the deadline above does.
+        timeout = self.timeout(self.timeouts.acceptance_wait_s(), write_s=self.timeouts.upload_budget_s(size))
+        return self.call(
+            operation, method, path, content=chunks(), headers=all_headers, params=params,
+            timeout=timeout, parse=parse, sent_counter=sent,
+        )
+
+    def call(
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: Any = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+        parse: Callable[[httpx.Response], Any] | None = None,
+        consume: Callable[[httpx.Response], Any] | None = None,
+        sent_counter: list[int] | None = None,
+    ) -> Any:
+        """One call. A success is parsed (`parse`, default JSON) or streamed (`consume`) here, so a
+        body that is not what the contract promises fails as MalformedResponse, classified."""
+        if connection.in_atomic_block:
+            raise RuntimeError("no vendor call may be made inside a database transaction")
+        try:
+            permit = breaker.acquire(self.channel)
+        except BreakerOpen as exc:
+            row = classify_exception("BreakerOpen")
+            self._record(operation, row, error_class="BreakerOpen", duration=0.0, counted=False)
+            raise VendorError(row, operation=operation, error_class="BreakerOpen", retry_after_s=None) from exc
+        request_headers = {**self.auth_headers, **(headers or {})}
+        started = time.monotonic()
+        status: int | None = None
+        received = 0
+        try:
+            request = self.http.build_request(
+                method, self.base + path, json=json, content=content, params=params,
+                headers=request_headers, timeout=timeout or self.timeout(self.timeouts.status_s),
+            )
+            response = self.http.send(request, stream=True)
+            try:
+                status = response.status_code
+                if 200 <= status < 300 and consume is not None:
+                    result = consume(response)
+                    received = int(response.num_bytes_downloaded)
+                else:
+                    response.read()
+                    received = len(response.content)
+                    result = None
+                if 200 <= status < 300 and consume is None:
+                    result = parse(response) if parse is not None else json_object(response)
+            finally:
+                response.close()
+        except StopUpload:
+            raise
+        except MalformedResponse as exc:
+            row = classify_exception("MalformedResponse")
+            self._record(operation, row, status=status, error_class="MalformedResponse",
+                         duration=time.monotonic() - started, sent=(sent_counter or [0])[0], received=received,
+                         permit=permit)
+            raise VendorError(row, operation=operation, status=status, code="malformed_response",
+                              error_class="MalformedResponse", detail=str(exc)[:200],
+                              bytes_sent=(sent_counter or [0])[0]) from None
+        except (httpx.HTTPError, UploadDeadlineExceeded, OSError) as exc:
+            # Transport failures only: a bug of ours (a NameError in a parser) is not the vendor's
+            # ambiguity; it propagates, and the step's guard leaves the task due again.
+            row = classify_exception(exc)
+            duration = time.monotonic() - started
+            error = VendorError(
+                row, operation=operation, error_class=type(exc).__name__,
+                bytes_sent=(sent_counter or [0])[0],
+            )
+            self._record(operation, row, error_class=type(exc).__name__, duration=duration,
+                         sent=error.bytes_sent, permit=permit)
+            raise error from None
+        duration = time.monotonic() - started
+        sent = (sent_counter or [0])[0]
+        if 300 <= status < 400:
+            row = classify_status(status)
+            location = response.headers.get("Location", "")[:200]
+            self._record(operation, row, status=status, duration=duration, sent=sent, received=received,
+                         permit=permit, code="redirected")
+            raise VendorError(row, operation=operation, status=status, code="redirected", bytes_sent=sent,
+                              detail=f"HTTP {status} to {location or '(no Location)'}")
+        if status >= 400 or status < 200:
+            code, detail = self.error_details(response)
+            row = classify_status(status, code)
+            retry_after = parse_retry_after(response.headers.get("Retry-After"), date_header=response.headers.get("Date"))
+            if status == 429:
+                ChannelHealth.objects.filter(pk=self.channel.pk).update(
+                    last_rate_limited_at=timezone.now(), last_retry_after_s=retry_after
+                )
+            self._record(operation, row, status=status, duration=duration, sent=sent, received=received,
+                         retry_after=retry_after, permit=permit, code=code)
+            raise VendorError(row, operation=operation, status=status, code=code, retry_after_s=retry_after, bytes_sent=sent,
+                              detail=detail)
+        self._record(operation, _OK, status=status, duration=duration, sent=sent, received=received, permit=permit)
+        return result
+
+    def _record(
+        self,
+        operation: str,
+        row: Row,
+        *,
+        duration: float,
+        status: int | None = None,
+        error_class: str = "",
+        sent: int = 0,
+        received: int = 0,
+        retry_after: float | None = None,
+        permit: breaker.Permit | None = None,
+        counted: bool = True,
+        code: str | None = None,
+    ) -> None:
+        policy = BreakerPolicy.for_channel(self.channel)
+        slow = duration > timescale.seconds(policy.slow_call_s) and operation not in ("upload", "get_result")
+        failure = row.breaker_failure
+        counts = counted and row.outcome != Outcome.REFUSED and row.outcome != Outcome.ALARM
+        decision = _decision(operation, row.outcome)
+        VendorCall.objects.create(
+            channel=self.channel,
+            task_id=self.task_id,
+            generation=self.generation,
+            operation=operation,
+            status_code=status,
+            error_class=error_class or (code or ""),
+            outcome=row.outcome,
+            decision=decision,
+            duration_ms=int(duration * 1000),
+            bytes_sent=sent,
+            bytes_received=received,
+            retry_after_s=retry_after,
+            counts_for_breaker=counts,
+            breaker_failure=failure and counts,
+            slow=slow and counts,
+        )
+        log_event(
+            "vendor_call",
+            task_id=self.task_id,
+            generation=self.generation,
+            channel=self.channel.name,
+            operation=operation,
+            status=status if status is not None else error_class,
+            duration_ms=int(duration * 1000),
+            bytes=sent + received,
+            decision=decision,
+            retry_after_s=retry_after,
+        )
+        if counted:
+            breaker.record(self.channel, permit, failure=(failure and counts) or (slow and counts))
+
+
+
+def json_object(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        raise MalformedResponse(f"a {response.status_code} whose body is not JSON") from None
+    if not isinstance(data, dict):
+        raise MalformedResponse(f"a {response.status_code} whose body is not a JSON object")
+    return data
+
+
+def cursor_value(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, int)):
+        raise MalformedResponse("a page whose next_cursor is not a string")
+    return str(value)
+
+
+def _decision(operation: str, outcome: Outcome) -> str:
+    if outcome == Outcome.OK:
+        return "accept"
+    if outcome == Outcome.NOT_PROCESSED:
+        return "retry"
+    if outcome == Outcome.AMBIGUOUS:
+        return "reconcile" if operation in MUTATIONS else "retry"
+    if outcome == Outcome.ALARM:
+        return "fail_alarm"
+    return "fail"
+
+
+
+def problem_details(response: httpx.Response) -> tuple[str | None, str]:
+    """An RFC 9457 problem body: its `code`, and its `detail` for the operator."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None, ""
+    if not isinstance(body, dict):
+        return None, ""
+    code = body.get("code")
+    detail = body.get("detail")
+    return (code[:64] if isinstance(code, str) else None), (detail[:200] if isinstance(detail, str) else "")
+
+
+def download_to(dest: Path) -> Callable[[httpx.Response], FetchedResult]:
+    """Stream a response body to `dest`, hashing as it arrives."""
+
+    def consume(response: httpx.Response) -> FetchedResult:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        size = 0
+        with open(dest, "wb") as out:
+            for chunk in response.iter_bytes(CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+        return FetchedResult(
+            sha256=digest.hexdigest(), size=size,
+            content_type=response.headers.get("Content-Type", "application/octet-stream"),
+            declared_sha256=response.headers.get("X-Content-SHA256"),
+        )
+
+    return consume
