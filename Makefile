@@ -40,13 +40,15 @@ test: install browser test-sqlite test-distributed
 test-sqlite: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) manage.py poc run all
+	$(PY) manage.py poc run all --dialect assemblyai
 
 # The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI).
 test-distributed: install
 	@if $(PY) scripts/services_up.py; then \
 	  echo "== PostgreSQL + Redis =="; \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS) && \
-	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all; \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all && \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all --dialect assemblyai; \
 	else echo "PostgreSQL or Redis not reachable on 127.0.0.1: distributed run skipped"; fi
 
 bench: install

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
+from fakevendor import assemblyai
 from fakevendor import jobs as J
 from fakevendor.config import ChannelConfig, ServerConfig
 from fakevendor.errors import Aborted, ClientGone
@@ -56,6 +57,9 @@ class Request:
     client_ref: str | None = None
     job_id: str | None = None
     retry_after: str | None = None
+    # The digest of the input this request is about (an upload's body, a job's input), as the
+    # vendor itself knows it: ties the journal to files whatever the dialect's references.
+    input_sha256: str | None = None
 
     @property
     def content_length(self) -> int | None:
@@ -63,9 +67,14 @@ class Request:
         return int(value) if value is not None and value.isdigit() else None
 
     @property
+    def dialect(self) -> str:
+        """v1 is the native contract; v2 is AssemblyAI's API."""
+        return "assemblyai" if self.route[:1] == ["v2"] else "sluice"
+
+    @property
     def endpoint(self) -> str:
         """The route with ids replaced by `*`, e.g. "GET /v1/jobs/*"."""
-        parts = ["*" if i == 2 and self.route[:1] == ["v1"] else p for i, p in enumerate(self.route)]
+        parts = ["*" if i == 2 and self.route[:1] in (["v1"], ["v2"]) else p for i, p in enumerate(self.route)]
         return f"{self.method} /" + "/".join(parts)
 
 
@@ -239,6 +248,7 @@ class FakeVendor:
         self.uploads_now: dict[str, int] = {}
         self.uploads_max: dict[str, int] = {}
         self.in_flight = 0
+        self.assemblyai = assemblyai.AssemblyAIDialect(self)
         self.server: asyncio.AbstractServer | None = None
         self._callback_client = None
 
@@ -338,9 +348,9 @@ class FakeVendor:
         split = urlsplit(target)
         segments = [s for s in split.path.split("/") if s]
         query = {k: v[0] for k, v in parse_qs(split.query).items()}
-        if segments[:1] == ["v1"] or segments[:1] == ["__admin"]:
+        if segments[:1] in (["v1"], ["v2"], ["__admin"]):
             channel, route = "default", segments
-        elif len(segments) >= 2 and segments[1] == "v1":
+        elif len(segments) >= 2 and segments[1] in ("v1", "v2"):
             channel, route = segments[0], segments[1:]
         else:
             channel, route = "default", segments
@@ -348,7 +358,7 @@ class FakeVendor:
             method=method, target=target, path=split.path, segments=segments,
             query=query, headers=headers, channel=channel, route=route,
         )
-        if len(route) >= 3 and route[:2] == ["v1", "jobs"]:
+        if len(route) >= 3 and route[:2] in (["v1", "jobs"], ["v2", "transcript"]):
             # Known before any fault acts, so the journal ties even a refused read to its job.
             request.job_id = route[2]
         return request
@@ -357,7 +367,7 @@ class FakeVendor:
         if request.route[:1] == ["__admin"]:
             await self._admin(conn, request)
             return
-        if request.route[:1] != ["v1"]:
+        if request.route[:1] not in (["v1"], ["v2"]):
             await self._problem(conn, request, 404, "not_found", "No such endpoint.")
             return
         outcome = "ok"
@@ -384,6 +394,7 @@ class FakeVendor:
                     "draw": request.draw, "bytes_in": request.bytes_in, "status": status, "outcome": outcome,
                     "client_ref": request.client_ref, "idempotency_key": request.headers.get("idempotency-key"),
                     "job_id": request.job_id, "retry_after": request.retry_after,
+                    "input_sha256": request.input_sha256 or request.headers.get("x-content-sha256"),
                     "duration_ms": int((time.monotonic() - request.started) * 1000),
                     "protocol": request.protocol,
                 }
@@ -393,7 +404,13 @@ class FakeVendor:
     async def _vendor(self, conn: Wire, request: Request) -> tuple[int | None, str]:
         channel = self.config.channel(request.channel)
         auth = request.headers.get("authorization", "")
-        if not auth.startswith("Bearer ") or auth[7:] not in self.config.api_keys:
+        if request.dialect == "assemblyai":
+            allowed = assemblyai.authorized(request.headers, self.config.api_keys)
+        else:
+            allowed = auth.startswith("Bearer ") and auth[7:] in self.config.api_keys
+        if not allowed:
+            if request.dialect == "assemblyai":
+                await self._discard_body(conn, request)
             return await self._problem(conn, request, 401, "unauthenticated", "Missing or unknown API key."), "ok"
         is_json = request.headers.get("content-type", "").startswith("application/json")
         if request.method == "POST" and is_json:
@@ -402,9 +419,10 @@ class FakeVendor:
             chunks: list[bytes] = []
             await conn.read_body(request, sink=chunks.append, limit=MAX_JSON_BODY)
             request.body = b"".join(chunks)
-        request.client_ref = (
-            request.query.get("client_ref") or _json_field(request.body, "client_ref") or request.headers.get("x-client-ref")
-        )
+        if request.dialect == "sluice":
+            request.client_ref = (
+                request.query.get("client_ref") or _json_field(request.body, "client_ref") or request.headers.get("x-client-ref")
+            )
         kind = request.query.get("kind") or _json_field(request.body, "kind")
         facts = RequestFacts(
             method=request.method, path=request.route, channel=request.channel,
@@ -428,7 +446,10 @@ class FakeVendor:
             bandwidth = wire.params["bytes_per_s"] / self.config.time_scale
         if wire and wire.type == "reset" and wire.params.get("stage") == "mid_body":
             reset_after = int(wire.params["after_bytes"])
-        answer = await self._route(conn, request, channel, facts, bandwidth=bandwidth, reset_after=reset_after)
+        if request.dialect == "assemblyai":
+            answer = await self.assemblyai.route(conn, request, channel, facts, bandwidth=bandwidth, reset_after=reset_after)
+        else:
+            answer = await self._route(conn, request, channel, facts, bandwidth=bandwidth, reset_after=reset_after)
         status, headers, body = answer
         if wire and wire.type == "malformed":
             # Processed (a create is billed), then answered with a success nobody can read.
@@ -567,11 +588,17 @@ class FakeVendor:
         retryable: bool = False,
         extra: list[tuple[str, str]] | None = None,
     ) -> int:
+        channel = self.config.channel(request.channel)
+        if request.dialect == "assemblyai":
+            # AssemblyAI's errors carry only a message.
+            body = json.dumps({"error": detail}).encode()
+            headers = self._headers(request.channel, channel, [("Content-Type", "application/json"), *(extra or [])])
+            await conn.respond(status, headers, body)
+            return status
         body = json.dumps(
             {"type": f"https://sluice.invalid/vendor/{code}", "title": _reason(status).decode() or code,
              "status": status, "code": code, "detail": detail, "retryable": retryable}
         ).encode()
-        channel = self.config.channel(request.channel)
         headers = self._headers(request.channel, channel, [("Content-Type", "application/problem+json"), *(extra or [])])
         await conn.respond(status, headers, body)
         return status
@@ -627,6 +654,7 @@ class FakeVendor:
         finally:
             self.uploads_now[name] -= 1
         sha = digest.hexdigest()
+        request.input_sha256 = sha
         declared = request.headers.get("x-content-sha256")
         if declared and declared.lower() != sha:
             path.unlink(missing_ok=True)
@@ -734,6 +762,7 @@ class FakeVendor:
         if not isinstance(fields["client_ref"], str) or len(fields["client_ref"]) > 200:
             return _problem_tuple(400, "invalid_request", "client_ref must be a string of at most 200 characters.")
         request.client_ref = fields["client_ref"]
+        request.input_sha256 = sha
         fp = J.fingerprint(input_sha256=sha, kind=fields["kind"], target_format=fields["target_format"],
                            client_ref=fields["client_ref"], options=options)
         if existing is not None:
@@ -769,9 +798,12 @@ class FakeVendor:
         )
         return sum(1 for r in rows if r["canceled_at"] is None or r["canceled_at"] > now)
 
-    def _new_job(self, name, channel: ChannelConfig, fields, options, key, input_path: Path, size, sha, job_rule: Decision | None):
+    def _new_job(self, name, channel: ChannelConfig, fields, options, key, input_path: Path, size, sha,
+                 job_rule: Decision | None, *, extra: dict[str, Any] | None = None, bill: bool = True,
+                 fail_code: str | None = None):
+        """A new job (billed at once, as real vendors do), under `extra` for another dialect."""
         now = time.time()
-        job_id = f"job_{uuid.uuid4().hex[:20]}"
+        job_id = str(uuid.uuid4()) if extra else f"job_{uuid.uuid4().hex[:20]}"
         start = now + self.scaled(channel.queue_ms)
         if channel.max_concurrent_jobs and channel.concurrency_mode == "queue":
             ends = sorted(
@@ -787,8 +819,8 @@ class FakeVendor:
             "client_ref": fields["client_ref"], "idempotency_key": key or "", "options": json.dumps(options, sort_keys=True),
             "input_size": size, "input_sha256": sha, "input_path": str(input_path), "callback_url": fields["callback_url"],
             "created_at": now, "start_at": start, "end_at": start + duration, "canceled_at": None,
-            "fail_code": None, "fail_retryable": 0, "digest_mismatch": 0, "input_digest_mismatch": 0,
-            "not_found_until": 0,
+            "fail_code": fail_code, "fail_retryable": 0, "digest_mismatch": 0, "input_digest_mismatch": 0,
+            "not_found_until": 0, "extra": json.dumps(extra) if extra else "",
         }
         if job_rule is not None:
             params = job_rule.params
@@ -803,15 +835,16 @@ class FakeVendor:
                 job["input_digest_mismatch"] = 1
             elif job_rule.type == "transient_404":
                 job["not_found_until"] = now + self.scaled(params["ms"])
-        units, unit = J.billing_units(fields["kind"], input_path, size)
+        units, unit = J.billing_units(fields["kind"], input_path, size) if bill else (0.0, "audio_minute")
         job["units"], job["unit"] = units, unit
         job["amount_cents"] = int(round(units * channel.price_cents.get(unit, 1)))
         self.store.insert_job(job)
-        self.store.add_ledger_entry(
-            {"entry_id": f"le_{uuid.uuid4().hex[:20]}", "channel": name, "job_id": job_id,
-             "client_ref": fields["client_ref"], "idempotency_key": key or "", "units": units, "unit": unit,
-             "amount_cents": job["amount_cents"], "created_at": now}
-        )
+        if bill:
+            self.store.add_ledger_entry(
+                {"entry_id": f"le_{uuid.uuid4().hex[:20]}", "channel": name, "job_id": job_id,
+                 "client_ref": fields["client_ref"], "idempotency_key": key or "", "units": units, "unit": unit,
+                 "amount_cents": job["amount_cents"], "created_at": now, "input_sha256": sha}
+            )
         return job
 
     def _job_or_404(self, request: Request) -> dict[str, Any] | tuple:
@@ -824,7 +857,7 @@ class FakeVendor:
         job = self._job_or_404(request)
         if isinstance(job, tuple):
             return job
-        request.client_ref = job["client_ref"]
+        request.client_ref, request.input_sha256 = job["client_ref"], job["input_sha256"]
         return 200, [("Content-Type", "application/json")], _json(self._view(job, time.time()))
 
     def _list(self, request: Request):
@@ -889,7 +922,7 @@ class FakeVendor:
         job = self._job_or_404(request)
         if isinstance(job, tuple):
             return job
-        request.client_ref = job["client_ref"]
+        request.client_ref, request.input_sha256 = job["client_ref"], job["input_sha256"]
         now = time.time()
         status = J.job_status(job, now)
         if status != "completed":
@@ -908,7 +941,7 @@ class FakeVendor:
         job = self._job_or_404(request)
         if isinstance(job, tuple):
             return job
-        request.client_ref = job["client_ref"]
+        request.client_ref, request.input_sha256 = job["client_ref"], job["input_sha256"]
         now = time.time()
         status = J.job_status(job, now)
         if status in ("completed", "failed", "canceled") or job.get("canceled_at") is not None:
@@ -938,16 +971,17 @@ class FakeVendor:
         for row in rows:
             job = dict(row)
             status = J.job_status(job, now)
-            event = {"event": f"job.{status}", "event_id": f"evt_{job['id']}_{status}", "job": self._view(job, now)}
-            body = json.dumps(event).encode()
-            secret = self.config.channel(job["channel"]).webhook_secret.encode()
-            signature = hmac.new(secret, body, hashlib.sha256).hexdigest()
+            if assemblyai._extra(job).get("dialect") == "assemblyai":
+                body, headers = self.assemblyai.callback(job, now)
+            else:
+                event = {"event": f"job.{status}", "event_id": f"evt_{job['id']}_{status}", "job": self._view(job, now)}
+                body = json.dumps(event).encode()
+                secret = self.config.channel(job["channel"]).webhook_secret.encode()
+                signature = hmac.new(secret, body, hashlib.sha256).hexdigest()
+                headers = {"Content-Type": "application/json", "X-Vendor-Signature": f"sha256={signature}"}
             attempts = job["callback_attempts"] + 1
             try:
-                response = await self._callback_client.post(
-                    job["callback_url"], content=body,
-                    headers={"Content-Type": "application/json", "X-Vendor-Signature": f"sha256={signature}"},
-                )
+                response = await self._callback_client.post(job["callback_url"], content=body, headers=headers)
                 ok = response.status_code < 300
                 retry = not ok and response.status_code >= 500
             except Exception:
@@ -1028,7 +1062,8 @@ class FakeVendor:
         if route == ["ledger"] and method == "GET":
             rows = self.store.ledger()
             data = [{**{k: r[k] for k in ("seq", "entry_id", "channel", "job_id", "client_ref", "idempotency_key",
-                                          "units", "unit", "amount_cents")}, "created_at": J.rfc3339(r["created_at"])}
+                                          "units", "unit", "amount_cents", "input_sha256")},
+                     "created_at": J.rfc3339(r["created_at"])}
                     for r in rows]
             return 200, [("Content-Type", "application/json")], _json({"data": data})
         if route == ["journal"] and method == "GET":
@@ -1065,7 +1100,7 @@ class FakeVendor:
              "channel": r["channel"], "endpoint": r["endpoint"], "rule_id": r["rule_id"], "draw": r["draw"],
              "bytes_in": r["bytes_in"], "status": r["status"], "outcome": r["outcome"], "client_ref": r["client_ref"],
              "idempotency_key": r["idempotency_key"], "job_id": r["job_id"], "retry_after": r["retry_after"],
-             "duration_ms": r["duration_ms"], "protocol": r["protocol"]}
+             "duration_ms": r["duration_ms"], "protocol": r["protocol"], "input_sha256": r["input_sha256"]}
             for r in rows
         ]
         return 200, [("Content-Type", "application/json")], _json({"data": data})
@@ -1081,7 +1116,7 @@ class FakeVendor:
                                "amount_cents": row["cents"]})
         jobs = [dict(r) for r in self.store.query("SELECT * FROM jobs")]
         never_fetched = [
-            {"job_id": j["id"], "channel": j["channel"], "client_ref": j["client_ref"]}
+            {"job_id": j["id"], "channel": j["channel"], "client_ref": j["client_ref"], "input_sha256": j["input_sha256"]}
             for j in jobs if J.job_status(j, now) == "completed" and not j.get("fetched_at")
         ]
         running = [j for j in jobs if J.job_status(j, now) in ("queued", "processing")]

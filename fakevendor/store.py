@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     idempotency_key TEXT, options TEXT, input_size INTEGER, input_sha256 TEXT, input_path TEXT,
     callback_url TEXT, created_at REAL, start_at REAL, end_at REAL, canceled_at REAL,
     fail_code TEXT, fail_retryable INTEGER, digest_mismatch INTEGER DEFAULT 0,
-    input_digest_mismatch INTEGER DEFAULT 0, not_found_until REAL DEFAULT 0, result_sha256 TEXT, result_size INTEGER,
+    input_digest_mismatch INTEGER DEFAULT 0, extra TEXT DEFAULT '', not_found_until REAL DEFAULT 0, result_sha256 TEXT, result_size INTEGER,
     result_content_type TEXT, fetched_at REAL, units REAL, unit TEXT, amount_cents INTEGER,
     callback_state TEXT DEFAULT '', callback_attempts INTEGER DEFAULT 0, callback_next_at REAL DEFAULT 0
 );
@@ -34,13 +34,14 @@ CREATE TABLE IF NOT EXISTS idempotency (
 );
 CREATE TABLE IF NOT EXISTS ledger (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, entry_id TEXT UNIQUE, channel TEXT, job_id TEXT,
-    client_ref TEXT, idempotency_key TEXT, units REAL, unit TEXT, amount_cents INTEGER, created_at REAL
+    client_ref TEXT, idempotency_key TEXT, units REAL, unit TEXT, amount_cents INTEGER, created_at REAL,
+    input_sha256 TEXT DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS journal (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, method TEXT, path TEXT, channel TEXT,
     endpoint TEXT, rule_id TEXT, draw REAL, bytes_in INTEGER, status INTEGER, outcome TEXT,
     client_ref TEXT, idempotency_key TEXT, job_id TEXT, retry_after TEXT, duration_ms INTEGER,
-    protocol TEXT
+    protocol TEXT, input_sha256 TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
@@ -48,7 +49,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 JOB_COLUMNS = (
     "id", "channel", "kind", "target_format", "client_ref", "idempotency_key", "options", "input_size",
     "input_sha256", "input_path", "callback_url", "created_at", "start_at", "end_at", "canceled_at",
-    "fail_code", "fail_retryable", "digest_mismatch", "input_digest_mismatch", "not_found_until", "result_sha256", "result_size",
+    "fail_code", "fail_retryable", "digest_mismatch", "input_digest_mismatch", "extra", "not_found_until", "result_sha256", "result_size",
     "result_content_type", "fetched_at", "units", "unit", "amount_cents", "callback_state",
     "callback_attempts", "callback_next_at",
 )
@@ -68,9 +69,15 @@ class Store:
         columns = {row["name"] for row in self.db.execute("PRAGMA table_info(journal)")}
         if "protocol" not in columns:  # a data dir from before HTTP/2
             self.db.execute("ALTER TABLE journal ADD COLUMN protocol TEXT")
+        if "input_sha256" not in columns:
+            self.db.execute("ALTER TABLE journal ADD COLUMN input_sha256 TEXT")
         job_columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
         if "input_digest_mismatch" not in job_columns:
             self.db.execute("ALTER TABLE jobs ADD COLUMN input_digest_mismatch INTEGER DEFAULT 0")
+        if "extra" not in job_columns:
+            self.db.execute("ALTER TABLE jobs ADD COLUMN extra TEXT DEFAULT ''")
+        if "input_sha256" not in {row["name"] for row in self.db.execute("PRAGMA table_info(ledger)")}:
+            self.db.execute("ALTER TABLE ledger ADD COLUMN input_sha256 TEXT DEFAULT ''")
         self.db.commit()
         self._dirty = False
 
@@ -145,10 +152,11 @@ class Store:
     def add_ledger_entry(self, entry: dict[str, Any]) -> None:
         self.execute(
             "INSERT INTO ledger (entry_id, channel, job_id, client_ref, idempotency_key, units, unit,"
-            " amount_cents, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " amount_cents, created_at, input_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 entry["entry_id"], entry["channel"], entry["job_id"], entry["client_ref"],
                 entry["idempotency_key"], entry["units"], entry["unit"], entry["amount_cents"], entry["created_at"],
+                entry.get("input_sha256", ""),
             ),
         )
 
@@ -156,9 +164,9 @@ class Store:
     def journal(self, entry: dict[str, Any]) -> None:
         self.execute(
             "INSERT INTO journal (at, method, path, channel, endpoint, rule_id, draw, bytes_in, status,"
-            " outcome, client_ref, idempotency_key, job_id, retry_after, duration_ms, protocol)"
+            " outcome, client_ref, idempotency_key, job_id, retry_after, duration_ms, protocol, input_sha256)"
             " VALUES (:at, :method, :path, :channel, :endpoint, :rule_id, :draw, :bytes_in, :status,"
-            " :outcome, :client_ref, :idempotency_key, :job_id, :retry_after, :duration_ms, :protocol)",
+            " :outcome, :client_ref, :idempotency_key, :job_id, :retry_after, :duration_ms, :protocol, :input_sha256)",
             entry,
         )
 

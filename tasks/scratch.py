@@ -82,7 +82,8 @@ class Scratch:
     def child_env(self, workdir: Path, index: int) -> dict[str, str]:
         return self._env(workdir, self.database_for(workdir, index), f"poc{self.run_id}{index}")
 
-    def run_child(self, name: str, index: int, *, seed: int, tasks: int, time_scale: float, quiet: bool) -> dict[str, Any]:
+    def run_child(self, name: str, index: int, *, seed: int, tasks: int, time_scale: float, quiet: bool,
+                  dialect: str = "sluice") -> dict[str, Any]:
         workdir = self.run_dir / f"{index:02d}-{name}"
         workdir.mkdir(parents=True, exist_ok=True)
         env = self.child_env(workdir, index)
@@ -92,7 +93,8 @@ class Scratch:
         env.update(SLUICE_LOG_FILE=str(workdir / "logs" / "runner.log"), SLUICE_LOG_STDERR="0")
         report_file = workdir / "report.json"
         command = [sys.executable, MANAGE, "poc", "_child", name, "--seed", str(seed), "--tasks", str(tasks),
-                   "--time-scale", str(time_scale), "--workdir", str(workdir), "--report", str(report_file)]
+                   "--time-scale", str(time_scale), "--workdir", str(workdir), "--report", str(report_file),
+                   "--dialect", dialect]
         if quiet:
             command.append("--quiet")
         child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)

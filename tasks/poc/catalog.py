@@ -8,12 +8,14 @@ from tasks.poc import actions, checks
 from tasks.poc.model import Action, Scenario, Submit
 
 C = checks
+BOTH = ("sluice", "assemblyai")
 # Budgets large enough that only the scenarios about budgets are limited by them.
 ROOMY = {"max_inflight_jobs": 200, "max_concurrent_uploads": 50, "retry_budget_capacity": 10_000}
 
 SCENARIOS: list[Scenario] = [
     Scenario(
         name="delivery-interrupted",
+        dialects=BOTH,
         summary="the dispatch message is lost right after accept: the task is still visible, is re-dispatched "
                 "automatically, and duplicated messages yield one vendor job",
         tasks=20,
@@ -51,6 +53,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         name="reset-mid-upload",
+        dialects=BOTH,
         summary="the vendor resets the connection mid-body: the upload is replayed from the file and one job results",
         tasks=16,
         workload=[Submit(share=0.5, content="wav_long", priority="batch"),
@@ -68,6 +71,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         name="response-lost",
+        dialects=BOTH,
         summary="the vendor creates and bills the job, then drops the response: the client reconciles and adopts "
                 "the job instead of creating another",
         tasks=30,
@@ -93,6 +97,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         name="rate-limit-storm",
+        dialects=BOTH,
         summary="429 with Retry-After (seconds and HTTP-date): retries wait at least as told, with jitter",
         tasks=30,
         workload=[Submit(share=1.0)],
@@ -107,6 +112,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         name="vendor-outage-fallback",
+        dialects=BOTH,
         summary="the primary vendor fails: the breaker opens, work moves to the fallback, the breaker probes and "
                 "closes on recovery; nothing is lost",
         tasks=24,
@@ -124,6 +130,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         name="poll-storm",
+        dialects=BOTH,
         summary="30 concurrent long jobs: status requests per task-minute stay under the bound",
         tasks=30,
         time_scale=0.02,
@@ -221,6 +228,7 @@ SCENARIOS += [
     ),
     Scenario(
         name="cancel-race",
+        dialects=BOTH,
         summary="cancel and success arrive together: exactly one terminal state wins and the loser leaves no trace",
         tasks=24,
         workload=[Submit(share=1.0, callback="ack")],
@@ -317,6 +325,25 @@ SCENARIOS += [
         actions=[Action("both vendors recover after three minutes", do=actions.vendor_recovers("outage", wait_nominal_s=0),
                         at_s=180)],
         checks=[C.all_succeeded, C.no_dead_letters, C.waited_for("all_channels_down"), C.one_billed_job_per_task],
+    ),
+]
+
+
+# --- vendors that cannot be searched (issue 14) ---------------------------------------------------------
+SCENARIOS += [
+    Scenario(
+        name="no-reconcile-handle",
+        summary="a vendor declared unable to be searched loses a create response: the task holds in needs_operator, "
+                "nothing is resent blindly, 0 duplicate billing",
+        dialects=BOTH,
+        tasks=20,
+        operator_holds=True,
+        workload=[Submit(share=1.0)],
+        faults=[{"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": "reset"}, "probability": 0.3}],
+        channels={"primary": {**ROOMY, "capability_overrides": {"reconcile_by": "none"}, "upload_buffer_s": 2,
+                              "status_timeout_s": 2},
+                  "fallback": {"enabled": False}},
+        checks=[C.held_for_operator, C.one_billed_job_per_task_or_held],
     ),
 ]
 

@@ -23,6 +23,7 @@ def lost_tasks(ev: Evidence) -> Result:
         t for t in ev.tasks.values()
         if t.state not in TERMINAL_STATES and t.due_at is None and t.lease_expires_at is None
         and not (t.state == State.QUEUED or (t.state == State.ACCEPTED and t.deferred))
+        and t.waiting_reason != "needs_operator"
     ]
     observed = len(missing) + len(unexplained)
     detail = f"missing {missing[:3]}, unexplained {[str(t.pk) for t in unexplained[:3]]}" if observed else ""
@@ -52,11 +53,13 @@ def unattended_tasks(ev: Evidence) -> Result:
 
     QUEUED tasks waiting for admission are due whenever their lane has room (the dispatcher looks
     at each of them every tick), and so are deferred ACCEPTED ones; a dispatched start has its
-    message out (resent if lost)."""
+    message out (resent if lost). A task held for an operator (needs_operator) is attended by one:
+    it is on the console's list of tasks to decide, and its business deadline still applies."""
     bad = [
         t for t in ev.tasks.values()
         if t.state not in TERMINAL_STATES and t.due_at is None and t.lease_expires_at is None
         and t.state != State.QUEUED and not (t.state == State.ACCEPTED and t.deferred)
+        and t.waiting_reason != "needs_operator"
     ]
     detail = "; ".join(f"{t.pk} {t.state}/{t.phase or '-'}" for t in bad[:3])
     return Result("unattended_tasks", not bad, len(bad), "== 0", detail)
@@ -149,7 +152,7 @@ def completed_jobs_fetched(ev: Evidence) -> Result:
     """No job the vendor completed (and billed) was left unfetched for a task that wanted it."""
     ids = set(ev.tasks)
     left = [j for j in ev.invariants.get("billed_never_fetched", [])
-            if (j.get("client_ref") or "").rsplit("-", 1)[0] in ids
+            if ((j.get("client_ref") or "").rsplit("-", 1)[0] in ids or ev.task_of_digest(j.get("input_sha256")))
             and j["job_id"] not in {dup for i in ev.incidents for dup in i.duplicate_job_ids}]
     return Result("completed_jobs_abandoned", not left, len(left), "== 0", "; ".join(j["job_id"] for j in left[:3]))
 
@@ -331,7 +334,7 @@ def uploads_replayed_from_byte_zero(ev: Evidence) -> Result:
     for reset in resets:
         ref = reset["client_ref"] or ""
         task_id = ref.rsplit("-", 1)[0]
-        later = [e for e in ev.journal if e["client_ref"] == ref and e["ts"] > reset["ts"] and e["status"] == 201
+        later = [e for e in ev.journal if e["client_ref"] == ref and e["ts"] > reset["ts"] and e["status"] in (200, 201)
                  and e["endpoint"] in ("POST /v1/uploads", "POST /v1/jobs")]
         if any(e["bytes_in"] == sizes.get(task_id) for e in later):
             replayed += 1
@@ -547,3 +550,26 @@ def outcomes_by_error(ev: Evidence, allowed: dict[str, tuple[str, ...]]) -> Resu
     wrong = [f"{t.pk} {t.state} ({t.error_code})" for t in ev.tasks.values()
              if t.state not in allowed or (t.error_code or "") not in allowed[t.state]]
     return Result("outcomes_as_expected", not wrong, len(wrong), f"== 0 outside {allowed}", "; ".join(wrong[:3]))
+
+
+def held_for_operator(ev: Evidence) -> Result:
+    """Every create whose answer was lost, at a vendor that cannot be searched, holds for an operator:
+    nothing was resent for it."""
+    lost = {e["task_id"] for e in ev.journal_where(endpoint="POST /v1/jobs", outcome_prefix="response_lost")}
+    held = {tid for tid, t in ev.tasks.items() if t.state == State.RECONCILING and t.waiting_reason == "needs_operator"}
+    resent = {tid for tid in lost if len(ev.journal_where(endpoint="POST /v1/jobs", task_id=tid)) > 1}
+    ok = bool(lost) and lost <= held and not resent
+    return Result("ambiguous_creates_held_for_operator", ok,
+                  {"lost_answers": len(lost), "held": len(held), "resent": len(resent)}, "held ⊇ lost > 0, resent == 0")
+
+
+def one_billed_job_per_task_or_held(ev: Evidence) -> Result:
+    """No task was billed twice: a succeeded one once, one held for an operator at most once (its
+    lost create), per the vendor's ledger."""
+    billed = ev.billed_by_task()
+    twice = sorted(tid for tid, jobs in billed.items() if len(jobs) > 1)
+    succeeded = [tid for tid, t in ev.tasks.items() if t.state == State.SUCCEEDED]
+    unbilled = [tid for tid in succeeded if not billed.get(tid)]
+    ok = not twice and not unbilled
+    return Result("no_task_billed_twice", ok, {"billed_twice": len(twice), "succeeded_unbilled": len(unbilled)},
+                  "== 0 each", "; ".join(twice[:3]))

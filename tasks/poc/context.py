@@ -141,6 +141,14 @@ class RunContext:
         expected = [a for a in self.accepted if phase is None or a.spec.phase == phase]
         return len(states) == len(expected) and all(s in TERMINAL_STATES for s in states.values())
 
+    def all_settled(self, *, phase: str | None = None) -> bool:
+        """Every task terminal, or (where the scenario holds tasks for an operator) waiting for one."""
+        if not self.scenario.operator_holds:
+            return self.all_terminal(phase=phase)
+        ids = [a.id for a in self.accepted if phase is None or a.spec.phase == phase]
+        rows = Task.objects.filter(pk__in=ids).values_list("state", "waiting_reason")
+        return len(rows) == len(ids) and all(s in TERMINAL_STATES or w == "needs_operator" for s, w in rows)
+
     def progress(self, label: str = "") -> None:
         if self.quiet:
             return

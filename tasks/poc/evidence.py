@@ -24,6 +24,7 @@ from tasks.models import (
     VendorJob,
 )
 from tasks.poc.context import RunContext
+from tasks.poc.dialects import native_endpoint
 from tasks.states import State
 
 
@@ -68,7 +69,7 @@ class Evidence:
             channels={c.name: c for c in VendorChannel.objects.all()},
             open_slots=BudgetSlot.objects.filter(released_at__isnull=True, task_id__in=ids).count(),
             live_vendor_jobs=VendorJob.objects.filter(terminal_at__isnull=True, task_id__in=ids).count(),
-            journal=ctx.control.journal(),
+            journal=_normalized(ctx, ctx.control.journal()),
             invariants=ctx.control.invariants(),
             ledger=ctx.control.ledger(),
             log_files=logs,
@@ -112,22 +113,32 @@ class Evidence:
         return total
 
     def journal_where(self, *, endpoint: str | None = None, status: int | None = None, outcome_prefix: str | None = None,
-                      channel: str | None = None) -> list[dict[str, Any]]:
+                      channel: str | None = None, task_id: str | None = None) -> list[dict[str, Any]]:
         return [
             e for e in self.journal
             if (endpoint is None or e["endpoint"] == endpoint)
             and (status is None or e["status"] == status)
             and (outcome_prefix is None or (e["outcome"] or "").startswith(outcome_prefix))
             and (channel is None or e["channel"] == channel)
+            and (task_id is None or e["task_id"] == task_id)
         ]
+
+    def task_of_digest(self, sha256: str | None) -> str | None:
+        return next((a.id for a in self.ctx.accepted if sha256 and a.sha256 == sha256), None)
 
     def billed_by_task(self) -> dict[str, set[tuple[str, str]]]:
         """The vendor's own ledger, every channel, grouped by the task each entry was billed for
-        (our client_refs are `<task id>-<operation>`): the truth of what was paid, per task."""
+        (our client_refs are `<task id>-<operation>`; where a vendor has none, the input's digest
+        ties the job to its task): the truth of what was paid, per task."""
         ids = set(self.tasks)
+        # A dialect without client references (AssemblyAI) is attributed by the input's digest:
+        # every file a run submits is unique.
+        by_digest = {a.sha256: a.id for a in self.ctx.accepted}
         billed: dict[str, set[tuple[str, str]]] = defaultdict(set)
         for entry in self.ledger:
             task_id = (entry.get("client_ref") or "").rsplit("-", 1)[0]
+            if task_id not in ids:
+                task_id = by_digest.get(entry.get("input_sha256") or "")
             if task_id in ids:
                 billed[task_id].add((entry["channel"], entry["job_id"]))
         return billed
@@ -169,3 +180,21 @@ class Evidence:
 
 def parse_time(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _normalized(ctx: RunContext, journal: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Journal entries as the native dialect names them, each tied to the run's task it is about:
+    by our client_ref where the dialect has one, else by the input's digest the vendor knows."""
+    by_digest = {a.sha256: a.id for a in ctx.accepted}
+    ids = {a.id for a in ctx.accepted}
+    for entry in journal:
+        entry["wire_endpoint"] = entry["endpoint"]
+        entry["endpoint"] = native_endpoint(entry["endpoint"])
+        task_id = (entry.get("client_ref") or "").rsplit("-", 1)[0]
+        if task_id not in ids:
+            task_id = by_digest.get(entry.get("input_sha256") or "")
+        entry["task_id"] = task_id
+        if not entry.get("client_ref") and task_id:
+            # Without references of ours, one task is one operation as far as the journal can tell.
+            entry["client_ref"] = f"{task_id}-*"
+    return journal

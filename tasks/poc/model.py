@@ -87,3 +87,8 @@ class Scenario:
     start_workers: bool = True  # False: the run starts them itself (an action)
     phases: tuple[str, ...] = ("main",)
     live: bool = True  # can it run against a live system (no process control needed)?
+    # The vendor dialects it is written to run against (tasks/poc/dialects.py translates it).
+    dialects: tuple[str, ...] = ("sluice",)
+    # Tasks held for an operator (needs_operator) count as settled: the run does not wait for them.
+    operator_holds: bool = False
+    dialect: str = "sluice"

@@ -24,7 +24,6 @@ from tasks.poc.evidence import Evidence
 from tasks.poc.model import Scenario, Submit
 from tasks.poc.receiver import Receiver
 from tasks.services.tenancy import tenant_ensure, token_issue
-from tasks.states import TERMINAL_STATES
 from tasks.system import Stack
 
 QUIESCE_S = 30.0  # nominal seconds to let notifications and vendor clean-up finish after the last task
@@ -145,7 +144,7 @@ def execute(ctx: RunContext) -> dict[str, Any]:
             ctx.phase = phase
             actions.before_phase(phase)
             ctx.submit_all(specs)
-            while not ctx.all_terminal(phase=phase) and time.monotonic() < budget_at:
+            while not ctx.all_settled(phase=phase) and time.monotonic() < budget_at:
                 ctx.progress(f"{phase}: " if len(scenario.phases) > 1 else "")
                 time.sleep(0.2)
         quiesce(ctx, until=min(budget_at, time.monotonic() + ctx.scaled(QUIESCE_S)))
@@ -166,6 +165,7 @@ def execute(ctx: RunContext) -> dict[str, Any]:
     metrics["tasks_accepted"] = len(ctx.accepted)
     return {
         "scenario": scenario.name,
+        "dialect": scenario.dialect,
         "seed": ctx.seed,
         "tasks": ctx.tasks,
         "time_scale": ctx.time_scale,
@@ -187,12 +187,11 @@ def quiesce(ctx: RunContext, *, until: float) -> None:
         if ctx.receiver is not None and any(s.callback == "fail" for s in ctx.scenario.workload):
             pending_notes = pending_notes.exclude(url__endswith="/fail")
         live_jobs = VendorJob.objects.filter(task_id__in=ids, terminal_at__isnull=True, cancel_requested_at__isnull=False)
-        states = ctx.states()
         # The run is not over while the vendor is still answering someone (a fenced attempt's
         # slow download, for instance): its late write must be seen being refused.
         vendor_busy = ctx.control.invariants().get("requests_in_flight", 0) > 0
         if (not pending_notes.exists() and not live_jobs.exists() and not vendor_busy
-                and all(s in TERMINAL_STATES for s in states.values())):
+                and ctx.all_settled()):
             if not (ctx.receiver is not None and _failing_deliveries_short(ctx)):
                 return
         ctx.progress("settling: ")

@@ -24,7 +24,9 @@ def test_list_names_every_contract_scenario():
     names = {line.split()[0] for line in run("list").stdout.splitlines() if line.strip()}
     assert names >= {"delivery-interrupted", "mixed-load", "timeout-cancel-worker-lost", "corrupt-file",
                      "big-upload-timeout", "reset-mid-upload", "response-lost", "ignore-idempotency",
-                     "rate-limit-storm", "vendor-outage-fallback", "poll-storm", "retry-herd", "cancel-race"}
+                     "rate-limit-storm", "vendor-outage-fallback", "poll-storm", "retry-herd", "cancel-race",
+                     "no-reconcile-handle", "vendor-amnesia", "result-rate-limited", "garbled-response",
+                     "dual-outage-wait"}
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -32,6 +34,8 @@ def test_list_names_every_contract_scenario():
     (["run", "all", "--time-scale", "0"], "--time-scale must be in (0, 10]"),
     (["run", "all", "--time-scale", "11"], "--time-scale must be in (0, 10]"),
     (["run", "response-lost", "--tasks", "-3"], "--tasks must be a positive number"),
+    (["run", "response-lost", "--dialect", "smoke-signals"], "unknown dialect 'smoke-signals'"),
+    (["run", "big-upload-timeout", "--dialect", "assemblyai"], "does not apply to the assemblyai dialect"),
 ])
 def test_bad_usage_exits_2_with_the_reason(args, needle):
     done = run(*args)

@@ -1,4 +1,4 @@
-"""`python manage.py poc list` / `poc run NAME|all [--seed N] [--tasks N] [--time-scale F] [--json] [--live]`.
+"""`python manage.py poc list` / `poc run NAME|all [--seed N] [--tasks N] [--time-scale F] [--dialect D] [--json] [--live]`.
 
 Each scenario runs in a child process against its own scratch database (a copy of a freshly
 migrated template), with its own fake vendor, web server, dispatcher and clusters. Ctrl-C stops
@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from tasks.poc.catalog import SCENARIOS, by_name
+from tasks.poc.dialects import DIALECTS, for_dialect
 from tasks.scratch import Scratch
 
 
@@ -32,6 +33,7 @@ class Command(BaseCommand):
         run.add_argument("--seed", type=int, default=7)
         run.add_argument("--tasks", type=int, default=None)
         run.add_argument("--time-scale", type=float, default=None)
+        run.add_argument("--dialect", default="sluice", help=f"Vendor dialect: {', '.join(DIALECTS)} (default sluice).")
         run.add_argument("--json", action="store_true")
         run.add_argument("--live", action="store_true", help="Drive the running system instead of starting one.")
         run.add_argument("--keep", action="store_true", help="Keep the scratch data and logs.")
@@ -44,13 +46,14 @@ class Command(BaseCommand):
         child.add_argument("--workdir", required=True)
         child.add_argument("--report", required=True)
         child.add_argument("--quiet", action="store_true")
+        child.add_argument("--dialect", default="sluice")
 
     def handle(self, *args, **options):
         action = options["action"]
         if action == "list":
             width = max(len(s.name) for s in SCENARIOS)
             for scenario in SCENARIOS:
-                self.stdout.write(f"{scenario.name:<{width}}  {scenario.summary}")
+                self.stdout.write(f"{scenario.name:<{width}}  [{', '.join(scenario.dialects)}]  {scenario.summary}")
             return
         if action == "_child":
             self._child(options)
@@ -68,7 +71,14 @@ class Command(BaseCommand):
             raise CommandError(f"--time-scale must be in (0, 10]; got {scale}", returncode=2)
         if options["tasks"] is not None and options["tasks"] <= 0:
             raise CommandError(f"--tasks must be a positive number; got {options['tasks']}", returncode=2)
+        dialect = options["dialect"]
+        if dialect not in DIALECTS:
+            raise CommandError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}", returncode=2)
         chosen = list(scenarios.values()) if name == "all" else [scenarios[name]]
+        if name != "all" and dialect not in scenarios[name].dialects:
+            raise CommandError(f"{name} does not apply to the {dialect} dialect (it is written for "
+                               f"{', '.join(scenarios[name].dialects)})", returncode=2)
+        chosen = [s for s in chosen if dialect in s.dialects]
         if options["live"]:
             refused = [s.name for s in chosen if not s.live]
             if name != "all" and refused:
@@ -86,10 +96,11 @@ class Command(BaseCommand):
                 if options["live"]:
                     from tasks.poc.runner import run_live
 
-                    report = run_live(scenario, seed=options["seed"], tasks=tasks, quiet=options["json"] and not sys.stderr.isatty())
+                    report = run_live(for_dialect(scenario, dialect), seed=options["seed"], tasks=tasks,
+                                      quiet=options["json"] and not sys.stderr.isatty())
                 else:
                     report = scratch.run_child(scenario.name, index, seed=options["seed"], tasks=tasks,
-                                               time_scale=time_scale, quiet=False)
+                                               time_scale=time_scale, quiet=False, dialect=dialect)
                 reports.append(report)
                 if not options["json"]:
                     self._print_report(report)
@@ -113,7 +124,7 @@ class Command(BaseCommand):
     def _print_report(self, report: dict[str, Any]) -> None:
         verdict = self.style.SUCCESS("PASS") if report.get("passed") else self.style.ERROR("FAIL")
         self.stdout.write(f"\n{report['scenario']}  {verdict}  ({report.get('duration_s', 0)}s, {report.get('tasks')} tasks, "
-                          f"time scale {report.get('time_scale')})")
+                          f"time scale {report.get('time_scale')}, dialect {report.get('dialect', 'sluice')})")
         if "error" in report:
             self.stdout.write(f"  error: {report['error']}")
         for inv in report.get("invariants", []):
@@ -139,7 +150,7 @@ class Command(BaseCommand):
         from tasks.poc.runner import run_isolated
 
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        scenario = by_name()[options["name"]]
+        scenario = for_dialect(by_name()[options["name"]], options["dialect"])
         workdir = Path(options["workdir"])
         try:
             report = run_isolated(scenario, seed=options["seed"], tasks=options["tasks"], time_scale=options["time_scale"],
