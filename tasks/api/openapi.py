@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.filetypes import KINDS, TARGET_FORMATS
+from tasks.selectors import STAGES
 from tasks.states import WAITING_REASONS, State
 
 ALL_TARGETS = sorted({t for targets in TARGET_FORMATS.values() for t in targets})
@@ -213,7 +214,9 @@ def document(base_url: str) -> dict[str, Any]:
                 "Accepted": {
                     "type": "object", "required": ["id", "state", "status_url", "created_at"],
                     "properties": {"id": {"type": "string", "format": "uuid"}, "state": {"type": "string", "enum": State.values},
-                                   "status_url": {"type": "string"}, "created_at": {"type": "string", "format": "date-time"}},
+                                   "status_url": {"type": "string"}, "created_at": {"type": "string", "format": "date-time"},
+                                   "waiting_reason": {"type": "string", "enum": ["lane_full"],
+                                                      "description": "Present when the task was accepted but waits to enter its lane."}},
                 },
                 "Task": {
                     "type": "object",
@@ -240,6 +243,11 @@ def document(base_url: str) -> dict[str, Any]:
                             "url": {"type": "string"}, "sha256": {"type": "string"}, "size": {"type": "integer"},
                             "content_type": {"type": "string"}}}]},
                         "status_url": {"type": "string"},
+                        "stages": {
+                            "type": "object",
+                            "description": "Real seconds the latest attempt spent in each stage; null where not reached.",
+                            "properties": {stage: {"type": ["number", "null"]} for stage in STAGES},
+                        },
                     },
                 },
                 "Event": {

@@ -95,6 +95,8 @@ def task_json(request: HttpRequest, task: Task) -> dict[str, Any]:
         "finished_at": _iso(task.finished_at), "deadline_at": _iso(task.deadline_at),
         "queue_deadline_at": _iso(task.queue_deadline_at), "attempts": task.attempts,
         "waiting_reason": waiting_reason(task), "error": error, "result": result, "status_url": status_url,
+        # Seconds spent in each stage of the latest attempt (null: not reached).
+        "stages": {s["stage"]: s["seconds"] for s in selectors.task_stages(task=task)},
     }
 
 
@@ -150,10 +152,11 @@ def tasks(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     submitted = task_submit(tenant=tenant, request=submission, idempotency_key=key, actor=f"api tenant {tenant.name}")
     task = submitted.task
     status_url = request.build_absolute_uri(reverse("api:task", args=[task.pk]))
-    response = JsonResponse(
-        {"id": str(task.pk), "state": task.state, "status_url": status_url, "created_at": _iso(task.created_at)},
-        status=202,
-    )
+    body = {"id": str(task.pk), "state": task.state, "status_url": status_url, "created_at": _iso(task.created_at)}
+    if task.deferred:
+        # Accepted and durable, but its lane is closed to new work for now: it waits to enter.
+        body["waiting_reason"] = "lane_full"
+    response = JsonResponse(body, status=202)
     response["Location"] = status_url
     if submitted.replayed:
         response["Idempotent-Replayed"] = "true"

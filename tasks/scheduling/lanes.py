@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Q, QuerySet
 
 from tasks.models import Lane, Task
@@ -12,15 +13,24 @@ from tasks.states import IN_FLIGHT_STATES, State
 
 INTERACTIVE, BATCH, HEAVY, UNKNOWN_RISK = "interactive", "batch", "heavy", "unknown-risk"
 
+# Admission closes early (before max_queued) at early_close_pct of the backlog, or while the
+# oldest queued task has waited past oldest_wait_limit_s (half the queue deadline: a lane that far
+# behind cannot keep its promise to new work either). busy_close_pct, the seed's active-worker
+# gate, is off by default. urgency_s: a task this close to its deadline goes before fair share.
+_TIMEOUT = settings.LANE_EXECUTION_TIMEOUT_S
 DEFAULT_LANES: dict[str, dict[str, Any]] = {
-    INTERACTIVE: dict(max_running=20, max_queued=500, queue_deadline_s=300, execution_timeout_s=900,
-                      overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=30, dispatch_order=10),
-    BATCH: dict(max_running=20, max_queued=20000, queue_deadline_s=6 * 3600, execution_timeout_s=3600,
-                overflow_policy=Lane.Overflow.DEFER, early_close_pct=80, aging_s=120, dispatch_order=30),
-    HEAVY: dict(max_running=4, max_queued=2000, queue_deadline_s=12 * 3600, execution_timeout_s=4 * 3600,
-                overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300, dispatch_order=20),
-    UNKNOWN_RISK: dict(max_running=4, max_queued=2000, queue_deadline_s=6 * 3600, execution_timeout_s=3600,
-                       overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300, dispatch_order=40),
+    INTERACTIVE: dict(max_running=20, max_queued=500, queue_deadline_s=300, execution_timeout_s=_TIMEOUT[INTERACTIVE],
+                      overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=30, dispatch_order=10,
+                      urgency_s=60, oldest_wait_limit_s=150),
+    BATCH: dict(max_running=20, max_queued=20000, queue_deadline_s=6 * 3600, execution_timeout_s=_TIMEOUT[BATCH],
+                overflow_policy=Lane.Overflow.DEFER, early_close_pct=80, aging_s=120, dispatch_order=30,
+                urgency_s=600, oldest_wait_limit_s=3 * 3600),
+    HEAVY: dict(max_running=4, max_queued=2000, queue_deadline_s=12 * 3600, execution_timeout_s=_TIMEOUT[HEAVY],
+                overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300, dispatch_order=20,
+                urgency_s=900, oldest_wait_limit_s=6 * 3600),
+    UNKNOWN_RISK: dict(max_running=4, max_queued=2000, queue_deadline_s=6 * 3600, execution_timeout_s=_TIMEOUT[UNKNOWN_RISK],
+                       overflow_policy=Lane.Overflow.REJECT, early_close_pct=100, aging_s=300, dispatch_order=40,
+                       urgency_s=600, oldest_wait_limit_s=3 * 3600),
 }
 
 

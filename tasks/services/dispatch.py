@@ -26,6 +26,7 @@ from tasks.observability import log_event
 from tasks.precheck.sandbox import kill_orphans
 from tasks.queueing import queue_backlog, send, send_step
 from tasks.scheduling import quotas
+from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
 from tasks.scheduling.channels import channel_rooms, channels_down_for, pick_channel
 from tasks.scheduling.lanes import lane_running
@@ -151,18 +152,17 @@ def enforce_business_deadlines(now: datetime) -> int:
 
 
 def watchdog(now: datetime) -> int:
-    """Fence attempts whose lease expired (a lost worker) or that ran past their execution timeout."""
+    """Fence attempts whose lease expired (a lost worker) or that ran past their execution timeout.
+
+    Each fence records which worker (pid, host) held the step and writes one log line with the
+    task, its kind, when it was submitted and started, how long it ran and where it was; the
+    worker itself is killed by django-q2 at the step's own timeout (queueing.step_timeout_s)."""
     fenced = 0
-    expired = Task.objects.filter(state__in=IN_FLIGHT_STATES, lease_expires_at__lt=now).values(
-        "pk", "state", "generation", "lease_owner", "lease_expires_at"
-    )[:BATCH]
+    columns = ("pk", "state", "generation", "lease_owner", "lease_expires_at", "kind", "created_at", "started_at", "phase")
+    expired = Task.objects.filter(state__in=IN_FLIGHT_STATES, lease_expires_at__lt=now).values(*columns)[:BATCH]
     for row in expired:
         attempt = Attempt.objects.filter(task_id=row["pk"], ended_at__isnull=True).order_by("-generation").first()
-        seen = {
-            "owner": row["lease_owner"], "pid": attempt.pid if attempt else None,
-            "host": attempt.host if attempt else None,
-            "last_heartbeat": attempt.heartbeat_at.isoformat() if attempt and attempt.heartbeat_at else None,
-        }
+        seen = _holder(row, attempt)
         target = S.CANCEL_REQUESTED if row["state"] == S.CANCEL_REQUESTED else S.RECONCILING
         moved = task_move(
             row["pk"], source=row["state"], target=target, generation=row["generation"], actor="watchdog",
@@ -176,20 +176,39 @@ def watchdog(now: datetime) -> int:
             fenced += 1
             slots_release(row["pk"], UPLOAD, reason="fenced")
             _kill_local_subprocess(attempt)
-            log_event("fenced", logging.WARNING, task_id=row["pk"], reason="lease_expired", pid=seen["pid"], host=seen["host"])
-    overdue = Task.objects.filter(state=S.RUNNING, attempt_deadline_at__lt=now).values("pk", "generation")[:BATCH]
+            _log_fence(row, seen, now, reason="lease_expired")
+    overdue = Task.objects.filter(state=S.RUNNING, attempt_deadline_at__lt=now).values(*columns)[:BATCH]
     for row in overdue:
+        attempt = Attempt.objects.filter(task_id=row["pk"], ended_at__isnull=True).order_by("-generation").first()
+        seen = _holder(row, attempt)
         moved = task_move(
             row["pk"], source=S.RUNNING, target=S.RECONCILING, generation=row["generation"], actor="watchdog",
             reason="the attempt ran past its execution timeout: fenced; the vendor job will be checked and stopped",
             fields=dict(lease_owner="", lease_expires_at=None, due_at=now, enqueued_at=None, phase="",
                         error_code="execution_timeout", reconcile_rounds=0),
             attempt_outcome=Attempt.Outcome.FENCED,
+            data={"watchdog": seen},
         )
         if moved:
             fenced += 1
             slots_release(row["pk"], UPLOAD, reason="execution timeout")
+            _log_fence(row, seen, now, reason="execution_timeout")
     return fenced
+
+
+def _holder(row: dict[str, Any], attempt: Attempt | None) -> dict[str, Any]:
+    return {
+        "owner": row["lease_owner"], "pid": attempt.pid if attempt else None, "host": attempt.host if attempt else None,
+        "phase": row["phase"], "last_heartbeat": attempt.heartbeat_at.isoformat() if attempt and attempt.heartbeat_at else None,
+    }
+
+
+def _log_fence(row: dict[str, Any], seen: dict[str, Any], now: datetime, *, reason: str) -> None:
+    started = row["started_at"]
+    log_event("fenced", logging.WARNING, task_id=row["pk"], kind=row["kind"], state=row["state"], step=row["phase"] or None,
+              reason=reason, pid=seen["pid"], host=seen["host"], submitted_at=row["created_at"].isoformat(),
+              started_at=started.isoformat() if started else None,
+              elapsed_s=round((now - started).total_seconds(), 3) if started else None)
 
 
 def _kill_local_subprocess(attempt: Attempt | None) -> None:
@@ -297,26 +316,22 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
         limits = {t: quotas.quota_effective(tenant_rows[t], now=now) for t in tenants}
         running_all = {t: quotas.tenant_running(t) for t in tenants}
         heads = {
-            t: list(waiting.filter(tenant_id=t).order_by("queue_deadline_at", "queued_at", "created_at")[:free])
+            t: list(waiting.filter(tenant_id=t).order_by(
+                F("dispatch_deadline_at").asc(nulls_last=True), "queued_at", "created_at")[:free])
             for t in tenants
         }
         rooms = channel_rooms()
-        aging = timescale.delta(lane.aging_s)
+        policy = AdmissionPolicy(aging_s=lane.aging_s, urgency_s=lane.urgency_s)
         while free > 0:
-            eligible = [
-                t for t in tenants
-                if heads[t] and (limits[t].max_running is None or running_all[t] < limits[t].max_running)
-            ]
-            if not eligible:
+            standing = {t: admission_head(heads[t][0], now) for t in tenants if heads[t]}
+            shares = {
+                t: Share(running=running_here.get(t, 0), weight=limits[t].weight(lane.name),
+                         at_quota=limits[t].max_running is not None and running_all[t] >= limits[t].max_running)
+                for t in standing
+            }
+            tenant = policy.next_tenant(standing, shares)
+            if tenant is None:
                 break
-            aged = [t for t in eligible if now - (heads[t][0].queued_at or heads[t][0].created_at) > aging]
-            if aged:
-                tenant = min(aged, key=lambda t: heads[t][0].queued_at or heads[t][0].created_at)
-            else:
-                tenant = min(
-                    eligible,
-                    key=lambda t: ((running_here.get(t, 0) + 1) / limits[t].weight(lane.name), heads[t][0].queue_deadline_at or now),
-                )
             task = heads[tenant].pop(0)
             room = pick_channel(task, rooms)
             if room is None:
@@ -343,6 +358,14 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
         for task_id, generation, lane_name in sent:
             transaction.on_commit(lambda t=task_id, g=generation, n=lane_name: send_step("start", t, g, lane=n))
     return sent
+
+
+def admission_head(task: Task, now: datetime) -> Head:
+    """A queue's first task as admission weighs it (nominal seconds)."""
+    deadline = min(d for d in (task.deadline_at, task.queue_deadline_at) if d is not None)
+    waited = now - (task.queued_at or task.created_at)
+    return Head(waited_s=timescale.nominal(waited.total_seconds()),
+                deadline_in_s=timescale.nominal((deadline - now).total_seconds()))
 
 
 def dispatch_soon(lane_name: str | None) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Min
 from django.utils import timezone
 
 from tasks import filetypes, timescale
@@ -31,8 +32,10 @@ from tasks.errors import (
 from tasks.lifecycle import task_update
 from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
+from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_step_on_commit
-from tasks.scheduling.lanes import ROUTING, lane_has_room
+from tasks.scheduling.admission import LaneLoad, admission_gate
+from tasks.scheduling.lanes import ROUTING, lane_has_room, lane_running
 from tasks.scheduling.quotas import quota_check_submission
 from tasks.services.dispatch import dispatch_soon
 from tasks.services.execution import Lease
@@ -88,10 +91,12 @@ def file_create(*, tenant: Tenant, chunks: Iterable[bytes], label: str = "") -> 
         extension=filetypes.extension_of(label), label=label[:255], storage_name=blob.storage_name,
     )
     known = Quarantine.objects.filter(
-        tenant=tenant, sha256=blob.sha256, released_at__isnull=True, purged_at__isnull=True
+        tenant=tenant, sha256=blob.sha256, released_at__isnull=True, purged_at__isnull=True,
+        detector_version=DETECTOR_VERSION,
     ).first()
     if known is not None:
-        # The same content was quarantined before: recognised at once, never pre-checked again.
+        # The same content was quarantined by this version of the pre-check: recognised at once.
+        # An entry of an older detector does not block it: the new upload is pre-checked again.
         FileVersion.objects.filter(pk=version.pk).update(
             precheck_state=FileVersion.Precheck.QUARANTINED,
             precheck_findings={**known.findings, "recognised_from": str(known.file_id)},
@@ -225,11 +230,13 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
                   deferred: bool, key: str | None, actor: str, now) -> tuple[Task, TaskEvent]:
     """The (unsaved) rows an accepted task starts as: the task in ACCEPTED and its first event."""
     deadline_s = request.deadline_s or DEFAULT_DEADLINE_S
+    deadline_at = now + timescale.delta(deadline_s)
+    queue_deadline_at = now + timescale.delta(lane.queue_deadline_s)
     task = Task(
         tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
         priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
-        deadline_at=now + timescale.delta(deadline_s),
-        queue_deadline_at=now + timescale.delta(lane.queue_deadline_s),
+        deadline_at=deadline_at, queue_deadline_at=queue_deadline_at,
+        dispatch_deadline_at=min(deadline_at, queue_deadline_at),
         estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,
     )
     event = TaskEvent(
@@ -241,33 +248,36 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
 
 
 def _admit(lane: Lane, *, priority: str) -> bool:
-    """Close the door explicitly when the lane's backlog is too deep; True means deferred."""
-    waiting = Task.objects.filter(lane=lane, state__in=(State.ACCEPTED, State.QUEUED), dispatched_at__isnull=True).count()
-    retry_after = max(timescale.seconds(30), 1)
-    if priority == "batch" and lane.early_close_pct < 100 and waiting >= lane.max_queued * lane.early_close_pct / 100:
-        if lane.overflow_policy != Lane.Overflow.DEFER:
-            raise BacklogFull(
-                f"Admission for best-effort work in lane {lane.name} closes at {lane.early_close_pct}% of its backlog; retry later.",
-                retry_after=retry_after, lane=lane.name,
-            )
-    if waiting < lane.max_queued:
+    """Close the door explicitly when the lane cannot keep its promise to new work; True means
+    deferred. The gate decides (tasks/scheduling/admission.py); the lane's policy says what a
+    closed gate does: reject answers 503 with Retry-After, defer accepts and parks the task, shed
+    drops the lane's oldest waiting task to make room."""
+    waiting_tasks = Task.objects.filter(lane=lane, state__in=(State.ACCEPTED, State.QUEUED), dispatched_at__isnull=True)
+    oldest = waiting_tasks.aggregate(m=Min("created_at"))["m"]
+    load = LaneLoad(
+        waiting=waiting_tasks.count(), running=lane_running(lane).count(),
+        oldest_wait_s=timescale.nominal((timezone.now() - oldest).total_seconds()) if oldest else 0.0,
+    )
+    gate = admission_gate(max_queued=lane.max_queued, max_running=lane.max_running, early_close_pct=lane.early_close_pct,
+                          oldest_wait_limit_s=lane.oldest_wait_limit_s, busy_close_pct=lane.busy_close_pct, load=load)
+    if gate.state == "open":
         return False
-    if lane.overflow_policy == Lane.Overflow.REJECT:
-        raise BacklogFull(f"Lane {lane.name} has {waiting} tasks waiting (its limit); retry later.",
-                          retry_after=retry_after, lane=lane.name)
+    retry_after = max(timescale.seconds(30), 1)
+    if lane.overflow_policy == Lane.Overflow.DEFER:
+        return True
     if lane.overflow_policy == Lane.Overflow.SHED_OLDEST:
-        oldest = (
+        shed = (
             Task.objects.filter(lane=lane, state=State.QUEUED, dispatched_at__isnull=True)
             .order_by("queued_at", "created_at").values("pk", "generation").first()
         )
-        if oldest is None or not task_move(
-            oldest["pk"], source=State.QUEUED, target=State.EXPIRED, generation=oldest["generation"],
-            actor="admission", reason=f"shed: lane {lane.name} was full and dropped its oldest waiting task",
+        if shed is not None and task_move(
+            shed["pk"], source=State.QUEUED, target=State.EXPIRED, generation=shed["generation"],
+            actor="admission", reason=f"shed: lane {lane.name} was closing ({gate.reason}) and dropped its oldest waiting task",
             fields=dict(error_code="shed", error_message="the lane was full; the oldest waiting task was shed"),
         ):
-            raise BacklogFull(f"Lane {lane.name} is full; retry later.", retry_after=retry_after, lane=lane.name)
-        return False
-    return True
+            return False
+    raise BacklogFull(f"Admission to lane {lane.name} is closed: {gate.reason}; retry later.",
+                      retry_after=retry_after, lane=lane.name)
 
 
 def _estimated_units(kind: str, findings: dict[str, Any] | None) -> int | None:
@@ -330,11 +340,12 @@ def task_precheck_and_route(task_id: Any, generation: int) -> str:
                     estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None)
         return "deferred"
     now = timezone.now()
+    queue_deadline_at = task.created_at + timescale.delta(lane.queue_deadline_s)
     moved = task_move(
         task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=generation, actor="precheck",
         reason=f"pre-check passed; lane {lane.name}",
         fields=dict(lane=lane, queued_at=now, estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None,
-                    queue_deadline_at=task.created_at + timescale.delta(lane.queue_deadline_s)),
+                    queue_deadline_at=queue_deadline_at, dispatch_deadline_at=min(task.deadline_at, queue_deadline_at)),
         data={"lane": lane.name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")},
     )
     if moved:

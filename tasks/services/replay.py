@@ -32,9 +32,12 @@ def task_replay(*, task: Task, actor: str, lane_name: str | None = None, params:
     lane = Lane.objects.get(pk=lane_name) if lane_name else task.lane
     now = timezone.now()
     original = max((task.deadline_at - task.created_at).total_seconds(), timescale.seconds(60))
+    queue_deadline_at = now + timescale.delta(lane.queue_deadline_s)
+    deadline_at = now + timedelta_s(original)
     fields: dict[str, Any] = dict(
         lane=lane, queued_at=now, finished_at=None, due_at=None, dispatched_at=None, enqueued_at=None,
-        queue_deadline_at=now + timescale.delta(lane.queue_deadline_s), deadline_at=now + timedelta_s(original),
+        queue_deadline_at=queue_deadline_at, deadline_at=deadline_at,
+        dispatch_deadline_at=min(queue_deadline_at, deadline_at),
         error_code="", error_message="", error_retryable=False, channel_attempts=0, abandoned_channels=[],
         poll_interval_s=0, poll_deadline_at=None, vendor_job=None, phase="", lease_owner="", lease_expires_at=None,
         fetch_attempts=0, reconcile_rounds=0,

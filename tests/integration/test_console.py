@@ -72,7 +72,7 @@ def test_only_admins_edit_lanes_and_quotas(as_role):
     assert form.status_code == 200
     data = {f: getattr(Lane.objects.get(pk="batch"), f) for f in (
         "name", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s", "overflow_policy",
-        "early_close_pct", "aging_s", "dispatch_order")}
+        "early_close_pct", "aging_s", "dispatch_order", "urgency_s", "busy_close_pct", "oldest_wait_limit_s")}
     data.update(max_running=3)
     answer = admin.post(url, data)
     assert answer.status_code == 302, answer.content.decode()[:2000]

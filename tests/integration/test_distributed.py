@@ -37,7 +37,7 @@ def test_budgets_fencing_and_fairness_hold_across_three_worker_processes(vendor,
     VendorChannel.objects.filter(name="primary").update(max_inflight_jobs=4, max_concurrent_uploads=2,
                                                         reserved_for_interactive=1)
     VendorChannel.objects.filter(name="fallback").update(enabled=False)
-    Lane.objects.filter(pk="batch").update(max_running=3, aging_s=3600)
+    Lane.objects.filter(pk="batch").update(max_running=3)
     Lane.objects.filter(pk="interactive").update(max_running=3)
     vendor.control.channel("primary", processing_ms=4000)
     # Slow uploads, so a worker can be caught (and killed) in the middle of one.

@@ -135,7 +135,7 @@ def test_every_waiting_task_says_why(api, tenant, vendor):
 
 def test_a_flood_from_one_tenant_does_not_starve_a_trickle_from_another(inline_queue):
     """Fair share: with two slots, the trickle's tasks start long before the flood drains."""
-    Lane.objects.filter(pk="batch").update(max_running=2, aging_s=3600)
+    Lane.objects.filter(pk="batch").update(max_running=2)
     VendorChannel.objects.filter(name="fallback").update(enabled=False)
     inline_queue.control.channel("primary", processing_ms=3000)
     flood, trickle = client_for("flood"), client_for("trickle")
