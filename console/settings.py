@@ -107,6 +107,8 @@ else:
         }
     }
 
+# Multiplies every interval in the system (backoff, polls, leases, deadlines, breaker waits).
+TIME_SCALE = env("SLUICE_TIME_SCALE", 1.0, cast=positive_float_at_most(10))
 LANES = ("interactive", "batch", "heavy", "unknown-risk")
 LANE_WORKERS = {"interactive": 2, "batch": 1, "heavy": 1, "unknown-risk": 1}
 LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
@@ -114,10 +116,21 @@ LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
 # lanes yield the processor to interactive work instead of competing with it as equals.
 LANE_NICE = {"interactive": 0, "batch": 5, "heavy": 10, "unknown-risk": 10}
 LANE_NICE.update(env("SLUICE_LANE_NICE", {}, cast=parse_mapping))
-# The django-q2 timeout of a lane bounds one message: a step (an upload at most), or a pre-check
-# and the start that may follow it at once. The broker's retry must exceed it.
-LANE_STEP_TIMEOUT_S = {"interactive": 600, "batch": 1800, "heavy": 7200, "unknown-risk": 1800}
+# The longest single attempt per lane (nominal seconds): the lanes' default execution timeouts.
+LANE_EXECUTION_TIMEOUT_S = {"interactive": 900, "batch": 3600, "heavy": 4 * 3600, "unknown-risk": 3600}
+# A step that outlives its attempt by this much is killed by django-q2 (nominal, floor in real s).
+STEP_GRACE_S = env("SLUICE_STEP_GRACE_S", 60.0)
+STEP_GRACE_FLOOR_S = 5.0
+# The django-q2 timeout of a lane bounds one message (a step, or a pre-check and the start that may
+# follow it): the lane's execution timeout plus the grace, in real seconds. Each step is sent with
+# the timeout its lane has now (an operator may shorten it); the broker's retry must exceed both.
+LANE_STEP_TIMEOUT_S = {
+    lane: int(seconds * TIME_SCALE + max(STEP_GRACE_S * TIME_SCALE, STEP_GRACE_FLOOR_S)) + 1
+    for lane, seconds in LANE_EXECUTION_TIMEOUT_S.items()
+}
 CONTROL_WORKERS = env("SLUICE_CONTROL_WORKERS", 2)
+# A stopping cluster hands its steps back and is gone within this many real seconds.
+SHUTDOWN_S = env("SLUICE_SHUTDOWN_S", 30.0)
 
 _broker = {"redis": REDIS_URL} if REDIS_URL else {"orm": "default"}
 Q_CLUSTER = {
@@ -149,8 +162,6 @@ Q_CLUSTER = {
 }
 
 # --- Sluice behaviour --------------------------------------------------------------------
-# Multiplies every interval in the system (backoff, polls, leases, deadlines, breaker waits).
-TIME_SCALE = env("SLUICE_TIME_SCALE", 1.0, cast=positive_float_at_most(10))
 MAX_UPLOAD_BYTES = env("SLUICE_MAX_UPLOAD_BYTES", 2 * 1024**3)
 FILES_DIR = DATA_DIR / "files"
 RESULTS_DIR = DATA_DIR / "results"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "goaway",
-        "response_lost", "redirect", "malformed")
+        "response_lost", "redirect", "malformed", "slicer")
 CREATE = ("ignore_idempotency", "duplicate_create", "duplicate_on_create")
 JOB = ("job_fail", "stuck", "digest_mismatch", "input_digest_mismatch", "transient_404")
 MALFORMED_BODIES = ("not_json", "truncated_json", "missing_fields", "wrong_types", "empty")
@@ -118,6 +118,10 @@ def validate_params(kind: str, params: dict[str, Any]) -> None:
             raise RuleError("params.status", f"must be one of {', '.join(map(str, REDIRECT_STATUSES))}")
         if "location" in params and not isinstance(params["location"], str):
             raise RuleError("params.location", "must be a string")
+    elif kind == "slicer":
+        _number(params, "average_size", minimum=1, integer=True)
+        _number(params, "size_variation", minimum=0, integer=True)
+        _number(params, "delay_ms")
     elif kind == "malformed":
         if params.get("body", "not_json") not in MALFORMED_BODIES:
             raise RuleError("params.body", f"must be one of {', '.join(MALFORMED_BODIES)}")

@@ -187,6 +187,22 @@ class Connection:
         self._write(h11.EndOfMessage())
         await self.writer.drain()
 
+    async def respond_sliced(self, status: int, headers: list[tuple[str, str]], body: bytes | Path, *, size: int,
+                             variation: int, delay_s: float, rng: Any) -> None:
+        """The whole answer written in small pieces, each after a delay."""
+        payload = body.read_bytes() if isinstance(body, Path) else body
+        wire = self.h11.send(h11.Response(status_code=status, reason=_reason(status), headers=[
+            *headers, ("Content-Length", str(len(payload))), ("Date", formatdate(usegmt=True))]))
+        wire += (self.h11.send(h11.Data(data=payload)) if payload else b"") + self.h11.send(h11.EndOfMessage())
+        index = 0
+        while index < len(wire):
+            piece = max(1, size + (rng.randint(-variation, variation) if variation else 0))
+            self.writer.write(wire[index:index + piece])
+            await self.writer.drain()
+            index += piece
+            if index < len(wire):
+                await asyncio.sleep(delay_s)
+
     def _write(self, event: Any) -> None:
         data = self.h11.send(event)
         if data:
@@ -474,6 +490,14 @@ class FakeVendor:
         dribble = None
         if wire and wire.type == "dribble":
             dribble = (int(wire.params["chunks"]), self.scaled(wire.params["total_ms"]))
+        if wire and wire.type == "slicer" and isinstance(conn, Connection):
+            # Toxiproxy's slicer on the whole answer, status line and headers included: a client
+            # whose timeouts are per read never times out while the pieces keep coming.
+            params = wire.params
+            await conn.respond_sliced(status, self._headers(request.channel, channel, headers), body,
+                                      size=int(params.get("average_size", 1)), variation=int(params.get("size_variation", 0)),
+                                      delay_s=self.scaled(params.get("delay_ms", 1000)), rng=wire.rng)
+            return status, "slicer"
         await conn.respond(status, self._headers(request.channel, channel, headers), body, dribble=dribble)
         return status, "dribble" if dribble else "ok"
 

@@ -48,6 +48,9 @@ LOG_FIELDS = frozenset(
         "file_id",
         "detected_type",
         "scenario",
+        "submitted_at",
+        "started_at",
+        "elapsed_s",
     }
 )
 

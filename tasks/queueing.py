@@ -3,13 +3,17 @@ for. A lost message is re-sent by the dispatcher; a duplicated one loses its com
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django_q.brokers import Broker, get_broker
 from django_q.tasks import async_task
+
+from tasks.models import Lane
 
 _brokers: dict[tuple[int, str], Broker] = {}
 
@@ -26,9 +30,10 @@ def _broker(cluster: str) -> Broker:
     return _brokers[key]
 
 
-def send(func: str, *args: Any, cluster: str | None = None, name: str = "") -> None:
+def send(func: str, *args: Any, cluster: str | None = None, name: str = "", timeout: int | None = None) -> None:
     cluster = cluster or control_cluster()
-    async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100])
+    options: dict[str, Any] = {"timeout": timeout} if timeout else {}
+    async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100], **options)
 
 
 def queue_backlog(cluster: str | None) -> int:
@@ -37,8 +42,35 @@ def queue_backlog(cluster: str | None) -> int:
 
 
 def send_step(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> None:
-    """Ask a worker of `lane` (or the control cluster) to run `step` for the task at `generation`."""
-    send("tasks.workers.run_step", step, str(task_id), generation, cluster=lane, name=f"{step} {task_id}")
+    """Ask a worker of `lane` (or the control cluster) to run `step` for the task at `generation`.
+
+    The message carries the step's own django-q2 timeout: the lane's execution timeout now plus a
+    grace. A step that outlives it (a vendor dribbling its answer past every read timeout) is
+    killed and its worker replaced, after the watchdog has fenced the attempt."""
+    timeout = step_timeout_s(lane) if lane else None
+    send("tasks.workers.run_step", step, str(task_id), generation, cluster=lane, name=f"{step} {task_id}",
+         timeout=timeout)
+
+
+_lane_timeouts: dict[str, tuple[float, int]] = {}
+LANE_TIMEOUT_CACHE_S = 5.0
+
+
+def step_timeout_s(lane: str) -> int:
+    """Real seconds a step of `lane` may run: the lane's execution timeout (as configured now,
+    read at most every few seconds) plus the grace, never above the lane cluster's own bound."""
+    cached = _lane_timeouts.get(lane)
+    if cached and time.monotonic() - cached[0] < LANE_TIMEOUT_CACHE_S:
+        return cached[1]
+    execution = Lane.objects.filter(pk=lane).values_list("execution_timeout_s", flat=True).first()
+    scale = float(settings.TIME_SCALE)
+    bound = settings.LANE_STEP_TIMEOUT_S.get(lane, settings.Q_CLUSTER["timeout"])
+    if execution is None:
+        return bound
+    grace = max(settings.STEP_GRACE_S * scale, settings.STEP_GRACE_FLOOR_S)
+    timeout = min(int(math.ceil(execution * scale + grace)), bound)
+    _lane_timeouts[lane] = (time.monotonic(), timeout)
+    return timeout
 
 
 def send_step_on_commit(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> None:

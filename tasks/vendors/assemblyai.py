@@ -20,12 +20,14 @@ import hashlib
 import hmac
 import json
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
+from tasks import timescale
 from tasks.models import VendorChannel
 from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.classification import Outcome, Row
@@ -59,10 +61,11 @@ LIST_PAGES = 20
 class AssemblyAIAdapter:
     capabilities = CAPABILITIES
 
-    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None) -> None:
+    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None,
+                 deadline: datetime | None = None) -> None:
         self.channel = channel
         self.capabilities = CAPABILITIES.narrowed(channel.capability_overrides)
-        self.http = VendorHttp(channel, task_id=task_id, generation=generation,
+        self.http = VendorHttp(channel, task_id=task_id, generation=generation, deadline=deadline,
                                auth_headers={"Authorization": channel.api_key}, error_details=error_details)
 
     def upload(self, path: Path, *, size: int, sha256: str, operation: Operation,
@@ -112,8 +115,9 @@ class AssemblyAIAdapter:
     def fetch_result(self, job_id: str, dest: Path, *, target_format: str) -> FetchedResult:
         timeout = self.http.timeout(self.http.timeouts.result_s)
         if target_format in SUBTITLES:
+            deadline = self.http.wall_clock(timescale.seconds(self.http.timeouts.result_s))
             return self.http.call("get_result", "GET", f"/v2/transcript/{job_id}/{target_format}", timeout=timeout,
-                                  consume=download_to(dest))
+                                  consume=download_to(dest, deadline=deadline))
         return self.http.call("get_result", "GET", f"/v2/transcript/{job_id}", timeout=timeout,
                               parse=lambda response: _write_export(response, dest, target_format))
 

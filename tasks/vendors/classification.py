@@ -81,6 +81,7 @@ TABLE: tuple[Row, ...] = (
     Row(AMB, True, "the connection broke while sending the body", exception="WriteError"),
     Row(AMB, True, "sending the body stalled", exception="WriteTimeout"),
     Row(AMB, True, "the upload exceeded its wall-clock deadline", exception="UploadDeadlineExceeded"),
+    Row(AMB, True, "the download exceeded its wall-clock deadline", exception="DownloadDeadlineExceeded"),
     # A success nobody can read: a create may have happened (reconcile), a read is simply retried.
     Row(AMB, True, "the vendor answered success with a body Sluice cannot read", exception="MalformedResponse"),
     Row(AMB, True, "the vendor's gateway failed", status=502),

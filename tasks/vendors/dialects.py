@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from tasks.models import VendorChannel
@@ -20,9 +21,11 @@ DIALECTS: dict[str, tuple[AdapterFactory, Capabilities]] = {
 }
 
 
-def adapter_for(channel: VendorChannel, *, task_id: Any = None, generation: int | None = None) -> VendorAdapter:
+def adapter_for(channel: VendorChannel, *, task_id: Any = None, generation: int | None = None,
+                deadline: datetime | None = None) -> VendorAdapter:
+    """The channel's adapter, on behalf of a task attempt; no call it makes outlives `deadline`."""
     factory, _ = DIALECTS[channel.dialect]
-    return factory(channel, task_id=task_id, generation=generation)
+    return factory(channel, task_id=task_id, generation=generation, deadline=deadline)
 
 
 def capabilities_for(channel: VendorChannel) -> Capabilities:

@@ -52,6 +52,10 @@ class UploadDeadlineExceeded(Exception):
     """The whole upload took longer than its wall-clock deadline."""
 
 
+class DownloadDeadlineExceeded(Exception):
+    """The whole download took longer than its wall-clock deadline."""
+
+
 class MalformedResponse(Exception):
     """The vendor answered success with a body that is not what the contract promises."""
 

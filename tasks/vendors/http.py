@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from tasks.vendors import breaker
 from tasks.vendors.classification import Outcome, Row, classify_exception, classify_status
 from tasks.vendors.errors import (
     BreakerOpen,
+    DownloadDeadlineExceeded,
     MalformedResponse,
     StopUpload,
     UploadDeadlineExceeded,
@@ -42,6 +44,8 @@ CHUNK = 64 * 1024
 SEND_BUFFER = 128 * 1024
 MUTATIONS = frozenset({"create_job", "cancel_job"})
 _OK = Row(Outcome.OK, False, "ok")
+# Real seconds a call is given even when its attempt is (nearly) out of time.
+MIN_CALL_S = 0.5
 _clients: dict[tuple[int, str], httpx.Client] = {}
 
 ErrorDetails = Callable[[httpx.Response], "tuple[str | None, str]"]
@@ -66,23 +70,39 @@ class VendorHttp:
     """Calls to one channel on behalf of one task attempt (for the call records)."""
 
     def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None,
-                 auth_headers: Mapping[str, str], error_details: ErrorDetails) -> None:
+                 auth_headers: Mapping[str, str], error_details: ErrorDetails, deadline: datetime | None = None) -> None:
         self.channel = channel
         self.task_id = task_id
         self.generation = generation
+        # No call outlives the attempt it serves: every timeout is capped by what remains of it.
+        self.deadline = deadline
         self.timeouts = TimeoutPolicy.for_channel(channel)
         self.base = channel.base_url.rstrip("/")
         self.http = _http_client(self.base)
         self.auth_headers = dict(auth_headers)
         self.error_details = error_details
 
+    def remaining_s(self) -> float | None:
+        """Real seconds left of the attempt (never below a floor that lets one call be tried)."""
+        if self.deadline is None:
+            return None
+        return max((self.deadline - timezone.now()).total_seconds(), MIN_CALL_S)
+
+    def capped(self, real_s: float) -> float:
+        remaining = self.remaining_s()
+        return real_s if remaining is None else min(real_s, remaining)
+
     def timeout(self, read_s: float, write_s: float | None = None) -> httpx.Timeout:
         return httpx.Timeout(
-            connect=timescale.seconds(self.timeouts.connect_s),
-            read=timescale.seconds(read_s),
-            write=timescale.seconds(write_s if write_s is not None else read_s),
-            pool=timescale.seconds(self.timeouts.connect_s),
+            connect=self.capped(timescale.seconds(self.timeouts.connect_s)),
+            read=self.capped(timescale.seconds(read_s)),
+            write=self.capped(timescale.seconds(write_s if write_s is not None else read_s)),
+            pool=self.capped(timescale.seconds(self.timeouts.connect_s)),
         )
+
+    def wall_clock(self, real_s: float) -> float:
+        """A monotonic deadline for a whole transfer: `real_s` from now, within the attempt."""
+        return time.monotonic() + self.capped(real_s)
 
     def send_file(
         self,
@@ -98,8 +118,7 @@ class VendorHttp:
         headers: dict[str, str] | None = None,
         parse: Callable[[httpx.Response], Any] | None = None,
     ) -> Any:
-        budget_s = timescale.seconds(self.timeouts.upload_budget_s(size))
-        deadline = time.monotonic() + budget_s
+        deadline = self.wall_clock(timescale.seconds(self.timeouts.upload_budget_s(size)))
         sent = [0]
 
         def chunks() -> Iterator[bytes]:
@@ -187,7 +206,7 @@ class VendorHttp:
             raise VendorError(row, operation=operation, status=status, code="malformed_response",
                               error_class="MalformedResponse", detail=str(exc)[:200],
                               bytes_sent=(sent_counter or [0])[0]) from None
-        except (httpx.HTTPError, UploadDeadlineExceeded, OSError) as exc:
+        except (httpx.HTTPError, UploadDeadlineExceeded, DownloadDeadlineExceeded, OSError) as exc:
             # Transport failures only: a bug of ours (a NameError in a parser) is not the vendor's
             # ambiguity; it propagates, and the step's guard leaves the task due again.
             row = classify_exception(exc)
@@ -321,15 +340,18 @@ def problem_details(response: httpx.Response) -> tuple[str | None, str]:
     return (code[:64] if isinstance(code, str) else None), (detail[:200] if isinstance(detail, str) else "")
 
 
-def download_to(dest: Path) -> Callable[[httpx.Response], FetchedResult]:
-    """Stream a response body to `dest`, hashing as it arrives."""
+def download_to(dest: Path, *, deadline: float | None = None) -> Callable[[httpx.Response], FetchedResult]:
+    """Stream a response body to `dest`, hashing as it arrives, within a wall-clock deadline
+    (httpx's read timeout is per read: a result dribbled byte by byte would never time out)."""
 
     def consume(response: httpx.Response) -> FetchedResult:
         dest.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         size = 0
         with open(dest, "wb") as out:
-            for chunk in response.iter_bytes(CHUNK):
+            for chunk in response.iter_bytes():  # as it arrives (a chunk size would wait to fill it)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DownloadDeadlineExceeded()
                 digest.update(chunk)
                 size += len(chunk)
                 out.write(chunk)

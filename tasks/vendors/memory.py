@@ -17,6 +17,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -112,7 +113,8 @@ class MemoryVendor:
 class MemoryAdapter:
     """A VendorAdapter over a MemoryVendor (found by the channel's name)."""
 
-    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None) -> None:
+    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None,
+                 deadline: datetime | None = None) -> None:
         self.vendor = MemoryVendor.vendors.get(channel.name) or MemoryVendor.for_channel(channel.name)
         self.capabilities = self.vendor.capabilities.narrowed(channel.capability_overrides)
 

@@ -13,11 +13,13 @@ import hashlib
 import hmac
 import json
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tasks import timescale
 from tasks.models import VendorChannel
 from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.errors import MalformedResponse
@@ -46,10 +48,11 @@ CAPABILITIES = Capabilities(
 class SluiceAdapter:
     capabilities = CAPABILITIES
 
-    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None) -> None:
+    def __init__(self, channel: VendorChannel, *, task_id: Any = None, generation: int | None = None,
+                 deadline: datetime | None = None) -> None:
         self.channel = channel
         self.capabilities = CAPABILITIES.narrowed(channel.capability_overrides)
-        self.http = VendorHttp(channel, task_id=task_id, generation=generation,
+        self.http = VendorHttp(channel, task_id=task_id, generation=generation, deadline=deadline,
                                auth_headers={"Authorization": f"Bearer {channel.api_key}"}, error_details=problem_details)
 
     def upload(self, path: Path, *, size: int, sha256: str, operation: Operation,
@@ -107,7 +110,8 @@ class SluiceAdapter:
         """Stream a result to `dest`, hashing as it arrives; memory does not grow with size."""
         return self.http.call(
             "get_result", "GET", f"/v1/jobs/{job_id}/result",
-            timeout=self.http.timeout(self.http.timeouts.result_s), consume=download_to(dest),
+            timeout=self.http.timeout(self.http.timeouts.result_s),
+            consume=download_to(dest, deadline=self.http.wall_clock(timescale.seconds(self.http.timeouts.result_s))),
         )
 
     def list_billing(self, *, cursor: str | None, limit: int) -> BillingPage:

@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from tasks.vendors.classification import TABLE, Outcome, classify_exception, classify_status
-from tasks.vendors.errors import MalformedResponse, UploadDeadlineExceeded
+from tasks.vendors.errors import DownloadDeadlineExceeded, MalformedResponse, UploadDeadlineExceeded
 
 NP, AMB, REF, ALARM = Outcome.NOT_PROCESSED, Outcome.AMBIGUOUS, Outcome.REFUSED, Outcome.ALARM
 
@@ -20,6 +20,7 @@ EXCEPTIONS = [
     (httpx.WriteError("x"), AMB),
     (httpx.WriteTimeout("x"), AMB),
     (UploadDeadlineExceeded(), AMB),
+    (DownloadDeadlineExceeded(), AMB),
     (MalformedResponse("a job without an id"), AMB),
 ]
 STATUSES = [

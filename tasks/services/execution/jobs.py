@@ -30,7 +30,10 @@ def operation_of(task: Task) -> Operation:
 
 
 def vendor_of(task: Task) -> VendorAdapter:
-    return adapter_for(task.channel, task_id=task.pk, generation=task.generation)
+    """The task's channel, for this step: a running attempt's calls end by its execution deadline,
+    any other step's by the business deadline."""
+    deadline = task.attempt_deadline_at if task.state == S.RUNNING else task.deadline_at
+    return adapter_for(task.channel, task_id=task.pk, generation=task.generation, deadline=deadline)
 
 
 def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None) -> VendorJob:

@@ -59,7 +59,12 @@ def _poll(task: Task) -> str:
         else:
             fail(task, source=S.RUNNING, code=err.code, message=err.message)
         return "poll_error"
-    VendorJob.objects.filter(pk=job.pk).update(status=view.status)
+    if view.status != job.status:
+        VendorJob.objects.filter(pk=job.pk).update(status=view.status)
+        if view.status == "processing":
+            # When the vendor began: the "vendor queued" and "vendor processing" stages split here.
+            lifecycle.record_event(task.pk, generation=task.generation, actor=actor(),
+                                   reason="the vendor is processing the job", data={"vendor_status": "processing"})
     if not view.terminal:
         _schedule_poll(task)
         return view.status
@@ -113,6 +118,8 @@ def _completed(task: Task, job: VendorJob, view: JobView) -> str:
         return _integrity_failure(task, "the vendor processed a different input than ours (sha256 mismatch)")
     VendorJob.objects.filter(pk=job.pk).update(result_sha256=view.result_sha256 or "", result_size=view.result_size)
     job.result_sha256 = view.result_sha256 or ""
+    lifecycle.record_event(task.pk, generation=task.generation, actor=actor(), reason="the vendor completed the job",
+                           data={"vendor_status": "completed"})
     task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
     task.phase, task.fetch_attempts = P.FETCH, 0
     return _fetch(task)

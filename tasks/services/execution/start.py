@@ -22,7 +22,7 @@ from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorChannel
 from tasks.observability import log_event
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
-from tasks.services.execution.guard import step_crashed
+from tasks.services.execution.guard import step_crashed, step_interrupted
 from tasks.services.execution.jobs import (
     audit_duplicates,
     operation_of,
@@ -72,11 +72,15 @@ def step_start(task_id: Any, generation: int) -> str:
     )
     task.refresh_from_db()
     lease = Lease.adopt(task)
+    started = time.monotonic()
     try:
         submit(task, lease)
     except Exception as exc:
         step_crashed(task, exc)
         return "crashed"
+    except SystemExit as stop:
+        step_interrupted(task, stop, started)
+        raise
     finally:
         lease.release()
     return "started"
