@@ -1,4 +1,4 @@
-"""django-q2's worker pool, hardened against losing an idle worker.
+"""django-q2's worker pool, hardened against losing an idle worker and against stopping forever.
 
 A django-q2 worker waits for work in `multiprocessing.Queue.get()`, which blocks while holding the
 queue's cross-process read lock. A worker killed while it waits (the OOM killer, a `kill -9`)
@@ -6,13 +6,23 @@ dies holding that lock, and every other worker of the cluster, the reincarnated 
 then waits for it forever: the lane silently stops (django-q2 issue #23). Sluice's workers wait
 for the queue's pipe to become readable without the lock, then take a message without blocking,
 so the lock is held only for the instant a message is taken.
+
+Stopping has the same family of problem: the cluster's main process sets a cross-process Event
+when it is told to stop, and a child killed while it held that Event's lock (a supervisor's
+SIGKILL a moment after its SIGTERM) leaves the main process blocked forever. Sluice's cluster
+stops in bounded time (settings.SHUTDOWN_S): its workers hand their current step back at once,
+the Event is set from a thread that may block without blocking the shutdown, and whatever is
+still alive at the bound is killed.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 IDLE_WAIT_S = 1.0
@@ -43,10 +53,70 @@ class NonBlockingReads:
         return getattr(self._queue, name)
 
 
+class WorkerStopping(SystemExit):
+    """SIGTERM reached a worker: the step it runs hands its task back, then the worker exits."""
+
+
+def _stop_worker(signum: int, frame: Any) -> None:
+    raise WorkerStopping(0)
+
+
 def worker(task_queue: Any, *args: Any, **kwargs: Any) -> None:
     from django_q.worker import worker as q2_worker
 
+    signal.signal(signal.SIGTERM, _stop_worker)
     q2_worker(NonBlockingReads(task_queue), *args, **kwargs)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        children = [c for p in frontier for c in parents.get(p, []) if c not in found]
+        found.update(children)
+        frontier = children
+    return found
+
+
+def _signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def bounded_stop(cluster: Any, signum: int, frame: Any) -> None:
+    """The cluster's SIGTERM/SIGINT handler: stop taking work, let each worker hand its step back,
+    and be gone within settings.SHUTDOWN_S whatever the children do (or did: one killed while
+    holding the stop Event's lock would block a plain Event.set forever)."""
+    from django.conf import settings
+
+    if getattr(cluster, "_sluice_stopping", False):
+        return
+    cluster._sluice_stopping = True
+    deadline = time.monotonic() + float(settings.SHUTDOWN_S)
+    children = descendants(os.getpid())
+    sentinel = getattr(cluster, "sentinel", None)
+    workers = children - ({sentinel.pid} if sentinel is not None and sentinel.pid else set())
+    # Workers first: each hands its current step back (lease released, task due at once) and exits.
+    _signal_all(workers, signal.SIGTERM)
+    if cluster.stop_event is not None:
+        threading.Thread(target=cluster.stop_event.set, name="stop-event", daemon=True).start()
+    while time.monotonic() < deadline and (descendants(os.getpid()) & (children | {sentinel.pid if sentinel else -1})):
+        time.sleep(0.1)
+    _signal_all(descendants(os.getpid()) | children, signal.SIGKILL)
+    # Not sys.exit: multiprocessing's exit handler would join the sentinel, which may never end.
+    os._exit(0)
 
 
 def monitor(result_queue: Any, *args: Any, **kwargs: Any) -> None:
@@ -78,3 +148,4 @@ def install() -> None:
 
     django_q.cluster.worker = worker
     django_q.cluster.monitor = monitor
+    django_q.cluster.Cluster.sig_handler = bounded_stop
