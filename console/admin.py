@@ -18,6 +18,7 @@ from django.utils.html import format_html
 from console.admin_site import site
 from console.models import BulkOperation, PocRun
 from console.roles import role_of
+from tasks import selectors
 from tasks.models import (
     AuditEntry,
     DeadLetter,
@@ -213,8 +214,9 @@ class TaskAdmin(ReadOnly):
             "incidents": DuplicateIncident.objects.filter(task=task),
             "findings": task.file.precheck_findings or {},
             "waiting_reason": waiting_reason(task),
+            "stages": selectors.task_stages(task=task),
             "notifications": Notification.objects.filter(task=task),
-            "dead_letters": DeadLetter.objects.filter(task=task),
+            "dead_letters": DeadLetter.objects.filter(task=task) if request.user.has_perm("tasks.view_deadletter") else [],
             "actions": actions,
             "role": role_of(request.user),
         }

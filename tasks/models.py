@@ -25,6 +25,10 @@ class Tenant(models.Model):
     callback_url = models.URLField(blank=True, help_text="Terminal task events are POSTed here.")
     callback_secret = models.CharField(max_length=64, default=_new_secret, editable=False)
     result_retention_days = models.PositiveIntegerField(default=30)
+    file_retention_days = models.PositiveIntegerField(
+        default=30, help_text="Uploaded originals are deleted this long after upload, once no task needs them."
+    )
+    dead_letter_retention_days = models.PositiveIntegerField(default=90, help_text="Dead letters are purged after this.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -111,7 +115,18 @@ class Lane(models.Model):
     early_close_pct = models.PositiveIntegerField(
         default=100, help_text="Admission closes at this % of max_queued (best-effort lanes: e.g. 80)."
     )
-    aging_s = models.FloatField(default=60, help_text="A task waiting this long goes before fair share.")
+    aging_s = models.FloatField(
+        default=60, help_text="A tenant below its fair share whose oldest task waited this long goes first."
+    )
+    urgency_s = models.FloatField(
+        default=60, help_text="A task this close to its deadline goes before fair share (earliest deadline first)."
+    )
+    oldest_wait_limit_s = models.FloatField(
+        null=True, blank=True, help_text="Admission closes while the oldest queued task has waited longer (empty: off)."
+    )
+    busy_close_pct = models.PositiveIntegerField(
+        default=0, help_text="Admission closes while this % of max_running is busy and work already waits (0: off)."
+    )
     dispatch_order = models.PositiveIntegerField(default=100, help_text="Lower lanes get free slots first.")
     paused = models.BooleanField(default=False)
     updated_at = models.DateTimeField(auto_now=True)
@@ -321,6 +336,10 @@ class Task(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(help_text="Business deadline: waits, execution and retries.")
     queue_deadline_at = models.DateTimeField(null=True, blank=True)
+    dispatch_deadline_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="What admission orders by: the earliest of the business and the first queue deadline; kept across retries.",
+    )
     attempt_deadline_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
     retries = models.PositiveIntegerField(default=0)
@@ -652,9 +671,12 @@ class Notification(models.Model):
         DELIVERING = "delivering"
         DELIVERED = "delivered"
         EXHAUSTED = "exhausted"
+        # A newer terminal event of the same task replaced it before it was delivered.
+        SUPERSEDED = "superseded"
 
     event_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="notifications")
+    generation = models.PositiveIntegerField(default=0, help_text="The task's generation the event is about.")
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE)
     url = models.URLField()
     event_type = models.CharField(max_length=32)
@@ -673,7 +695,7 @@ class Notification(models.Model):
     class Meta:
         indexes = [models.Index(fields=["status", "next_attempt_at"])]
         constraints = [
-            models.UniqueConstraint(fields=["task", "event_type"], name="one_notification_per_task_event")
+            models.UniqueConstraint(fields=["task", "generation"], name="one_notification_per_task_generation")
         ]
 
 

@@ -9,10 +9,10 @@ from django.conf import settings
 from django.utils import timezone
 
 from tasks import timescale
-from tasks.models import IdempotencyRecord, Task
+from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine, Task, Tenant
 from tasks.services.billing import billing_reconcile
 from tasks.services.quarantine import quarantine_expire
-from tasks.states import State
+from tasks.states import TERMINAL_STATES, State
 from tasks.storage import result_file
 
 IDEMPOTENCY_KEEP_S = 48 * 3600
@@ -25,7 +25,39 @@ def housekeeping() -> dict[str, int]:
         "expired_results": expire_results(),
         "quarantine_expired": quarantine_expire(),
         "idempotency_pruned": prune_idempotency_keys(),
+        "originals_expired": expire_originals(),
+        "dead_letters_purged": purge_dead_letters(),
     }
+
+
+def expire_originals() -> int:
+    """Uploaded files past their tenant's retention are deleted once no task still needs them (every
+    task on them finished); the record stays, with its digest, so history still reads."""
+    removed = 0
+    now = timezone.now()
+    candidates = FileVersion.objects.filter(deleted_at__isnull=True).select_related("tenant")
+    for file in candidates.iterator():
+        if file.created_at >= now - timescale.delta(file.tenant.file_retention_days * 86400):
+            continue
+        if Task.objects.filter(file=file).exclude(state__in=TERMINAL_STATES).exists():
+            continue
+        if Quarantine.objects.filter(file=file, released_at__isnull=True, purged_at__isnull=True).exists():
+            continue  # held content follows the quarantine's own retention
+        file.path.unlink(missing_ok=True)
+        FileVersion.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=now)
+        removed += 1
+    return removed
+
+
+def purge_dead_letters() -> int:
+    """Dead letters past their tenant's retention are deleted (they only reference their task)."""
+    purged = 0
+    now = timezone.now()
+    for tenant in Tenant.objects.all():
+        cutoff = now - timescale.delta(tenant.dead_letter_retention_days * 86400)
+        count, _ = DeadLetter.objects.filter(tenant=tenant, created_at__lt=cutoff).delete()
+        purged += count
+    return purged
 
 
 def remove_orphan_results(*, older_than_s: float = 3600) -> int:

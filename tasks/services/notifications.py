@@ -37,6 +37,8 @@ def event_payload(task: Task, event_type: str) -> dict[str, Any]:
     return {
         "id": str(task.id),
         "state": task.state if event_type != "task.succeeded" else "SUCCEEDED",
+        # Receivers order a task's events by it: a higher generation is the newer outcome.
+        "generation": task.generation,
         "kind": task.kind,
         "target_format": task.target_format,
         "error": {"code": task.error_code, "retryable": task.error_retryable} if task.error_code else None,
@@ -91,6 +93,7 @@ def notification_deliver(*, notification_id: int) -> str:
         {
             "event": note.event_type,
             "event_id": str(note.event_id),
+            "generation": note.generation,
             "occurred_at": note.created_at.isoformat(),
             "task": note.payload,
         },

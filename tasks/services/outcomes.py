@@ -65,7 +65,7 @@ def task_move(
             )
         if target in TERMINAL_STATES:
             slots_release(task_id, reason=f"task {target.lower()}")
-            _notification_outbox(task_id, target)
+            _notification_outbox(task_id, target, moved.generation)
         if dead_letter_class:
             task = Task.objects.only("tenant_id", "attempts").get(pk=task_id)
             DeadLetter.objects.create(
@@ -75,15 +75,21 @@ def task_move(
     return moved
 
 
-def _notification_outbox(task_id: Any, target: State) -> None:
+def _notification_outbox(task_id: Any, target: State, generation: int) -> None:
+    """The terminal event, to be delivered later; it supersedes any older one not yet delivered
+    (a replayed dead letter that succeeds must not be heard as "failed" after "succeeded")."""
     task = Task.objects.select_related("tenant").get(pk=task_id)
     url = task.callback_url or task.tenant.callback_url
+    Notification.objects.filter(task_id=task_id, generation__lt=generation, status=Notification.Status.PENDING).update(
+        status=Notification.Status.SUPERSEDED, lease_expires_at=None
+    )
     if not url:
         return
     Notification.objects.get_or_create(
         task=task,
-        event_type=EVENT_TYPES[target],
+        generation=generation,
         defaults=dict(
-            tenant=task.tenant, url=url, payload=event_payload(task, EVENT_TYPES[target]), next_attempt_at=timezone.now()
+            tenant=task.tenant, url=url, event_type=EVENT_TYPES[target],
+            payload=event_payload(task, EVENT_TYPES[target]), next_attempt_at=timezone.now()
         ),
     )

@@ -36,6 +36,14 @@ def file_precheck(*, file: FileVersion) -> FileVersion:
     file.refresh_from_db()
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
         quarantine_add(file=file, reason=result.reason or "corrupt_file", findings=result.findings)
+    else:
+        # The same content held by an older version of the pre-check passes now: that entry was
+        # a verdict of the detector it was made by, not of the content forever.
+        Quarantine.objects.filter(
+            tenant_id=file.tenant_id, sha256=file.sha256, released_at__isnull=True, purged_at__isnull=True,
+        ).exclude(detector_version=file.precheck_version).exclude(reason=Quarantine.Reason.POISON).update(
+            released_at=timezone.now(), released_by=f"re-evaluated by {file.precheck_version}"[:150],
+        )
     log_event("precheck", file_id=file.pk, decision=result.verdict, reason=result.reason)
     return file
 

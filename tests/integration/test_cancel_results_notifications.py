@@ -30,13 +30,14 @@ class Receiver:
 
     def __init__(self, fail_first: int) -> None:
         self.calls: list[tuple[dict, dict]] = []
+        self.fail_first = fail_first
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.calls.append((json.loads(body), {k.lower(): v for k, v in self.headers.items()}, body))
-                self.send_response(500 if len(receiver.calls) <= fail_first else 204)
+                self.send_response(500 if len(receiver.calls) <= receiver.fail_first else 204)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -181,6 +182,35 @@ def test_a_receiver_that_never_acknowledges_exhausts_delivery_and_an_operator_ca
     assert notification_resend(notification_id=note.pk)
     assert Notification.objects.get(pk=note.pk).status == "pending"
     assert Task.objects.get(pk=task.pk).state == "SUCCEEDED" and Task.objects.get(pk=task.pk).attempts == 1
+
+
+def test_a_replayed_task_that_succeeds_supersedes_its_undelivered_failed_event(inline_queue, api, receiver_factory):
+    """The tenant never hears "failed" after "succeeded": the older event is superseded, and every
+    event carries the task's generation so a receiver can order what it did get."""
+    from tasks.services.replay import task_replay
+
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    VendorChannel.objects.filter(name="primary").update(max_attempts=1)
+    receiver = receiver_factory(fail_first=10_000)
+    rule = inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "job_fail",
+                                          "params": {"code": "engine_busy", "retryable": True}})
+    task = run_until(submit_file(api, callback_url=receiver.url))
+    assert task.state == "FAILED"
+    failed = Notification.objects.get(task=task)
+    assert failed.event_type == "task.failed" and failed.status in ("pending", "delivering")
+    inline_queue.control.delete_rule(rule["id"])
+    assert task_replay(task=task, actor="operator")
+    task = run_until(task.pk)
+    assert task.state == "SUCCEEDED"
+    receiver.fail_first = 0  # the receiver is back, with the "failed" event still undelivered
+    deliver_all(task, rounds=3)
+    notes = {n.event_type: n for n in Notification.objects.filter(task=task)}
+    assert notes["task.failed"].status == "superseded" and notes["task.succeeded"].status == "delivered"
+    assert notes["task.succeeded"].generation > notes["task.failed"].generation
+    events = [call[0] for call in receiver.calls]
+    first_success = next(i for i, e in enumerate(events) if e["event"] == "task.succeeded")
+    assert events[first_success]["generation"] == notes["task.succeeded"].generation
+    assert not [e for e in events[first_success:] if e["event"] == "task.failed"], "failed was heard after succeeded"
 
 
 def test_callback_urls_are_validated(api, settings):

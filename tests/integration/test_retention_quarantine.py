@@ -1,0 +1,75 @@
+"""Retention of originals and dead letters, quarantine keyed by detector version, poison content,
+and who may see dead letters (issue 15)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from console.staff import staff_ensure
+from tasks.models import DeadLetter, FileVersion, Quarantine, Task, VendorChannel
+from tasks.poc import files
+from tasks.services.housekeeping import expire_originals, purge_dead_letters
+from tests.conftest import run_until
+from tests.support.flows import route, submit_file
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_originals_past_retention_are_deleted_once_no_task_needs_them(inline_queue, api):
+    done = run_until(submit_file(api))
+    live = route(submit_file(api, files.wav(2)))
+    FileVersion.objects.update(created_at=timezone.now() - timedelta(days=31))
+    assert expire_originals() == 1
+    kept, gone = FileVersion.objects.get(pk=live.file_id), FileVersion.objects.get(pk=done.file_id)
+    assert gone.deleted_at is not None and not gone.path.exists()
+    assert kept.deleted_at is None and kept.path.exists(), "a task still needs this file"
+    assert Task.objects.get(pk=done.pk).result_sha256, "the task's history and digests stay"
+
+
+def test_dead_letters_past_retention_are_purged(inline_queue, api):
+    task = run_until(submit_file(api))
+    DeadLetter.objects.create(task=task, tenant=task.tenant, error_class="retryable", error_code="x", attempts=1)
+    recent = DeadLetter.objects.create(task=task, tenant=task.tenant, error_class="retryable", error_code="y", attempts=1)
+    DeadLetter.objects.exclude(pk=recent.pk).update(created_at=timezone.now() - timedelta(days=91))
+    assert purge_dead_letters() == 1 and list(DeadLetter.objects.all()) == [recent]
+
+
+def test_content_quarantined_by_an_older_detector_is_checked_again_not_blocked_forever(inline_queue, api, tenant):
+    content = files.wav(2)
+    first = api.post("/api/v1/files", data=content, content_type="application/octet-stream", HTTP_X_FILENAME="a.wav").json()
+    old = Quarantine.objects.create(
+        tenant=tenant, file_id=first["id"], sha256=first["sha256"], reason="corrupt_file", detector_version="precheck-0.9",
+        findings={"reason": "corrupt_file"}, expires_at=timezone.now() + timedelta(days=30),
+    )
+    task = run_until(submit_file(api, content))
+    assert task.state == "SUCCEEDED", "an old detector's verdict blocked content the current one passes"
+    old.refresh_from_db()
+    assert old.released_at is not None and old.released_by.startswith("re-evaluated by precheck-")
+
+
+def test_content_that_keeps_failing_at_the_vendor_is_quarantined_as_poison(inline_queue, api):
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "job_fail", "params": {"code": "engine_crash"}})
+    content = files.wav(3)
+    for _ in range(3):
+        assert run_until(submit_file(api, content)).state == "FAILED"
+    entry = Quarantine.objects.get(reason="poison")
+    assert entry.converter_version and FileVersion.objects.filter(sha256=entry.sha256, precheck_state="quarantined").exists()
+    stored = api.post("/api/v1/files", data=content, content_type="application/octet-stream", HTTP_X_FILENAME="a.wav").json()
+    import json
+
+    refused = api.post("/api/v1/tasks", data=json.dumps({"file_id": stored["id"], "kind": "transcription",
+                                                        "target_format": "txt"}), content_type="application/json")
+    assert refused.status_code == 422 and refused.json()["code"] == "file_quarantined"
+    assert inline_queue.control.invariants()["billed_jobs"] == 3, "the poison content was not sent a fourth time"
+
+
+@pytest.mark.parametrize("role,status", [("viewer", 403), ("qa", 403), ("operator", 200), ("admin", 200)])
+def test_dead_letters_are_seen_by_operators_and_above_only(client, role, status):
+    user, password = staff_ensure(username=f"{role}-user", role=role, actor="test")
+    assert client.login(username=user.username, password=password)
+    assert client.get(reverse("admin:tasks_deadletter_changelist")).status_code == status
