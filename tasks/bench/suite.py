@@ -42,16 +42,22 @@ TARGETS = {
     "interactive_p95_wait_s_under_flood": 1.0,
 }
 PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
+MATRIX_WORKERS = tuple(int(w) for w in os.environ.get("SLUICE_BENCH_MATRIX_WORKERS", "1,2,4,8").split(","))
+MATRIX_LATENCIES_S = (0.2, 1, 5)
+# The matrix runs at a scale where its deadlines (60 s nominal) and vendor latencies are long
+# against the real cost of a hop between processes, so it measures sizing, not overhead.
+MATRIX_SCALE = 0.5
 WORKERS = 4
 
 
 class Bench:
-    def __init__(self, workdir: Path, *, quick: bool, log: Callable[[str], None]) -> None:
+    def __init__(self, workdir: Path, *, quick: bool, log: Callable[[str], None], scale: float = PIPELINE_SCALE) -> None:
         self.workdir = workdir
         self.quick = quick
         self.log = log
+        self.scale = scale
         self.stack = Stack(log_dir=workdir / "logs", env={
-            "SLUICE_TIME_SCALE": str(PIPELINE_SCALE), "SLUICE_DISPATCH_TICK_S": "0.02", "SLUICE_BENCH_VIEWS": "1",
+            "SLUICE_TIME_SCALE": str(scale), "SLUICE_DISPATCH_TICK_S": "0.02", "SLUICE_BENCH_VIEWS": "1",
             "SLUICE_LANE_WORKERS": f"interactive={WORKERS // 2},batch={WORKERS // 2},heavy=1,unknown-risk=1",
             "SLUICE_LOG_LEVEL": "WARNING",
         })
@@ -59,7 +65,7 @@ class Bench:
 
     # --- setup ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self.vendor_url = self.stack.start_vendor(time_scale=PIPELINE_SCALE, channels={"primary": {"processing_ms": 0, "queue_ms": 0}})
+        self.vendor_url = self.stack.start_vendor(time_scale=self.scale, channels={"primary": {"processing_ms": 0, "queue_ms": 0}})
         self.control = VendorControl(self.vendor_url, settings.FAKEVENDOR_ADMIN_TOKEN)
         VendorChannel.objects.filter(name="primary").update(
             base_url=f"{self.vendor_url}/primary", max_inflight_jobs=500, max_concurrent_uploads=50,
@@ -90,8 +96,11 @@ class Bench:
         answer.raise_for_status()
         return answer.json()["id"]
 
-    def _submit(self, client: httpx.Client, file_id: str, *, priority: str = "interactive") -> str:
-        body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": priority}
+    def _submit(self, client: httpx.Client, file_id: str, *, priority: str = "interactive",
+                deadline_s: float | None = None) -> str:
+        body: dict[str, Any] = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": priority}
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
         answer = client.post(f"{self.web_url}/api/v1/tasks", json=body,
                              headers={**self.headers, "Idempotency-Key": uuid.uuid4().hex})
         answer.raise_for_status()
@@ -377,6 +386,56 @@ class Bench:
         self.figures["bare_view_rps"] = round(statistics.mean(rates["bare"]), 1)
         self.figures["intake_rps"] = round(statistics.mean(rates["intake"]), 1)
 
+    def matrix(self) -> None:
+        """Seed 003's matrix: worker count x vendor latency -> throughput, p95 wait and the share of
+        tasks that hit their deadline. A burst of tasks with the shortest business deadline the API
+        allows (60 s nominal) per cell; the vendor takes at most 4 jobs at once, queueing the rest."""
+        count = 24 if self.quick else 80
+        cells = []
+        self.stop_workers()
+        self.stack.start_dispatcher()
+        self.stack.start_cluster(None, workers=2)
+        self.control.channel("primary", max_concurrent_jobs=4, concurrency_mode="queue")
+        for workers in MATRIX_WORKERS:
+            self.stack.manage("cluster-interactive", "qcluster", extra_env={
+                "Q_CLUSTER_NAME": "interactive", "SLUICE_LANE_WORKERS": f"interactive={workers}"})
+            for latency in MATRIX_LATENCIES_S:
+                self.control.channel("primary", processing_ms=latency * 1000, queue_ms=0)
+                self.log(f"matrix: {workers} workers, vendor latency {latency}s nominal, {count} tasks")
+                # One file for the whole burst, pre-checked before it: the cells measure dispatch
+                # and the vendor, not the pre-check's sandbox (which also runs on the lane's workers).
+                with httpx.Client(timeout=60, trust_env=False) as client:
+                    file_id = self._upload(client, files.with_marker(files.wav(1), f"m-{uuid.uuid4().hex}".encode()))
+                    warm = self._submit(client, file_id, deadline_s=600)
+                while not Task.objects.filter(pk=warm, state__in=TERMINAL_STATES).exists():
+                    time.sleep(0.05)
+                started = time.monotonic()
+                ids = self._concurrently(count, 8, lambda client, i: self._submit(client, file_id, deadline_s=60))
+                budget = started + 60 * self.scale * 4 + 30
+                while time.monotonic() < budget and Task.objects.filter(pk__in=ids).exclude(state__in=TERMINAL_STATES).exists():
+                    time.sleep(0.05)
+                elapsed = time.monotonic() - started
+                tasks = list(Task.objects.filter(pk__in=ids))
+                waits = []
+                for task_id in ids:
+                    events = list(TaskEvent.objects.filter(task_id=task_id).exclude(to_state="").order_by("at", "id"))
+                    queued = next((e.at for e in events if e.to_state == State.QUEUED), None)
+                    running = next((e.at for e in events if e.to_state == State.RUNNING), None)
+                    if queued and running:
+                        waits.append((running - queued).total_seconds() / self.scale)
+                waits.sort()
+                cells.append({
+                    "workers": workers, "vendor_latency_s": latency,
+                    "throughput_tps": round(sum(t.state == State.SUCCEEDED for t in tasks) / elapsed, 2),
+                    "p95_wait_s": round(waits[int(0.95 * (len(waits) - 1))], 2) if waits else None,
+                    "deadline_share": round(sum(t.error_code == "deadline_exceeded" for t in tasks) / len(tasks), 3),
+                    "outcomes": dict(Counter(f"{t.state}:{t.error_code}" if t.error_code else t.state for t in tasks)),
+                    "stages_median_s": self._stages(ids),
+                })
+            self.stack.stop("cluster-interactive")
+        self.control.channel("primary", max_concurrent_jobs=0, processing_ms=0)
+        self.figures["matrix"] = {"tasks_per_cell": count, "time_scale": self.scale, "cells": cells}
+
     def run(self, only: set[str] | None = None) -> dict[str, Any]:
         def wanted(section: str) -> bool:
             return not only or section in only
@@ -431,12 +490,20 @@ def verdicts(figures: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
-SECTIONS = ("uploads", "raw_q2", "vendor_loop", "pipeline", "polls", "isolation", "intake")
+SECTIONS = ("uploads", "raw_q2", "vendor_loop", "pipeline", "polls", "isolation", "intake", "matrix")
 
 
 def run_child(workdir: Path, *, quick: bool, out: Path, only: set[str] | None = None) -> None:
     began = time.monotonic()
     bench = Bench(workdir, quick=quick,
                   log=lambda line: print(f"  · [{time.monotonic() - began:5.0f} s] {line}", file=sys.stderr, flush=True))
-    figures = bench.run(only)
+    figures = bench.run(only - {"matrix"} if only else None) if not only or only - {"matrix"} else {}
+    if only and "matrix" in only:
+        matrix = Bench(workdir / "matrix", quick=quick, log=bench.log, scale=MATRIX_SCALE)
+        matrix.start()
+        try:
+            matrix.matrix()
+        finally:
+            matrix.stop()
+        figures["matrix"] = matrix.figures["matrix"]
     out.write_text(json.dumps(figures))

@@ -160,3 +160,18 @@ def jobs_in_flight(count: int) -> Callable:
         return Task.objects.filter(pk__in=ids, state=State.RUNNING, phase=Task.Phase.POLL).count() >= count
 
     return ready
+
+
+def a_task_fenced(ctx) -> bool:
+    from tasks.models import TaskEvent
+
+    ids = [a.id for a in ctx.accepted]
+    return TaskEvent.objects.filter(task_id__in=ids, actor="watchdog").exists()
+
+
+def note_fence(ctx) -> None:
+    from tasks.models import TaskEvent
+
+    ids = [a.id for a in ctx.accepted]
+    event = TaskEvent.objects.filter(task_id__in=ids, actor="watchdog").order_by("at").first()
+    ctx.notes["fenced"] = {"task": str(event.task_id), **(event.data.get("watchdog") or {})}

@@ -348,5 +348,36 @@ SCENARIOS += [
 ]
 
 
+# --- scheduling under the shipped defaults (issue 15) --------------------------------------------------
+SCENARIOS += [
+    Scenario(
+        name="deadline-order",
+        summary="tasks with mixed business deadlines: start order follows the earliest deadline within quotas",
+        tasks=24,
+        workload=[Submit(share=0.25, priority="batch", deadline_s=d) for d in (7200, 900, 3600, 1800)],
+        tenants={"poc": {"max_running": 2}},
+        vendor_channels={"primary": {"processing_ms": 1500}},
+        channels={"primary": ROOMY, "fallback": {"enabled": False}},
+        checks=[C.all_succeeded, C.started_by_deadline, partial(C.tenant_running_within_quota, tenant="poc", limit=2)],
+    ),
+    Scenario(
+        name="zombie-worker",
+        summary="a step blocks forever: it is fenced and its worker process is killed within execution timeout + "
+                "grace, its slot reused, a log line written",
+        tasks=6,
+        workers_per_lane=1,
+        workload=[Submit(share=1.0)],
+        # The vendor answers the first create one byte at a time: no read timeout ever fires.
+        faults=[{"id": "slowloris", "endpoint": "POST /v1/jobs", "type": "slicer",
+                 "params": {"average_size": 1, "delay_ms": 3000}, "times": 1}],
+        lanes={"interactive": {"execution_timeout_s": 20}},
+        channels={"primary": {**ROOMY, "status_timeout_s": 60}, "fallback": {"enabled": False}},
+        checks=[C.all_succeeded, C.zombie_killed_in_time, C.noted("fenced_attempt", "fenced", "the attempt was fenced")],
+        actions=[Action("note the fence", do=actions.note_fence, when=actions.a_task_fenced, repeat=False)],
+        live=False,
+    ),
+]
+
+
 def by_name() -> dict[str, Scenario]:
     return {s.name: s for s in SCENARIOS}

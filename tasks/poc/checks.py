@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from datetime import timedelta
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
@@ -573,3 +574,58 @@ def one_billed_job_per_task_or_held(ev: Evidence) -> Result:
     ok = not twice and not unbilled
     return Result("no_task_billed_twice", ok, {"billed_twice": len(twice), "succeeded_unbilled": len(unbilled)},
                   "== 0 each", "; ".join(twice[:3]))
+
+
+def started_by_deadline(ev: Evidence) -> Result:
+    """Of any two tasks of a lane waiting at the same time, the one with the earlier deadline was
+    admitted first (earliest deadline first, within quotas)."""
+    admitted = {}
+    for tid, task in ev.tasks.items():
+        queued = next((e.at for e in ev.events[tid] if e.to_state == State.QUEUED), None)
+        if queued and task.dispatched_at is None:
+            task_start = next((e.at for e in ev.events[tid] if e.to_state == State.RUNNING), None)
+        else:
+            task_start = task.dispatched_at or next((e.at for e in ev.events[tid] if e.to_state == State.RUNNING), None)
+        if queued and task_start:
+            admitted[tid] = (queued, task_start, min(task.deadline_at, task.queue_deadline_at or task.deadline_at))
+    inversions, pairs = [], 0
+    # An admission pass decides from what it read when it began: a task queued in the instant
+    # before (by another process) may not have been seen yet.
+    seen = timedelta(seconds=0.3)
+    for a, (qa, sa, da) in admitted.items():
+        for b, (qb, sb, db) in admitted.items():
+            # b was waiting when a was admitted, and b's deadline was earlier: an inversion.
+            if a != b and qb <= sa - seen and sb > sa and ev.tasks[a].lane_id == ev.tasks[b].lane_id:
+                pairs += 1
+                if db < da:
+                    inversions.append(f"{a[:8]} before {b[:8]}")
+    return Result("started_by_earliest_deadline", pairs > 0 and not inversions, len(inversions),
+                  "== 0 inversions", f"{pairs} contested pairs; " + "; ".join(inversions[:3]))
+
+
+def zombie_killed_in_time(ev: Evidence) -> Result:
+    """A step that outlived its attempt was killed by django-q2 within the execution timeout plus
+    the grace (and django-q2's 3 s guard), said so in a log line, and its lane went on working."""
+    import json as _json
+
+    from tasks.queueing import step_timeout_s
+
+    kills = []
+    for path in ev.log_files:
+        for line in path.read_text(errors="replace").splitlines():
+            if '"step_killed"' in line:
+                try:
+                    kills.append(_json.loads(line))
+                except ValueError:
+                    continue
+    if not kills:
+        return Result("zombie_killed_in_time", False, 0, "a step_killed log line", "no step was killed")
+    lane = "interactive"
+    bound = step_timeout_s(lane) + 3 + 2  # + django-q2's guard buffer + scheduling slack
+    worst = max(k.get("elapsed_s", 0) for k in kills)
+    killed_at = min(k["ts"] for k in kills)
+    later = sum(1 for events in ev.events.values() for e in events
+                if e.to_state == State.RUNNING and e.at.timestamp() > killed_at)
+    ok = worst <= bound and later > 0
+    return Result("zombie_killed_in_time", ok, {"killed": len(kills), "elapsed_s": worst, "starts_after_kill": later},
+                  f"elapsed <= {bound}s (execution timeout + grace), starts after > 0")

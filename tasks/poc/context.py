@@ -97,6 +97,8 @@ class RunContext:
         }
         if spec.callback and self.receiver is not None:
             body["callback_url"] = self.receiver.url(spec.callback)
+        if spec.deadline_s is not None:
+            body["deadline_s"] = spec.deadline_s
         key = f"poc-{self.run_id}-{index}"
         for _ in range(20):
             answer = self._post("/api/v1/tasks", json=body, headers={**headers, "Idempotency-Key": key})

@@ -34,6 +34,7 @@ class Submit:
     phase: str = "main"
     callback: str | None = None  # "ack" | "fail" (the run's notification receiver)
     count: int | None = None  # a fixed count instead of a share
+    deadline_s: float | None = None  # the business deadline asked for (the API's deadline_s)
 
 
 @dataclass(frozen=True)

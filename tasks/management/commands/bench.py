@@ -121,6 +121,13 @@ class Command(BaseCommand):
                 ok = verdict.get(ratio_key)
                 mark = "—" if ok is None else ("meets" if ok else "MISSES")
                 self.stdout.write(f"  {label:<40} {_fmt(value):>10} {_fmt(ref):>10} {_fmt(ratio):>8} {_fmt(target):>8}  {mark}")
+            matrix = figures.get("matrix")
+            if matrix:
+                self.stdout.write(f"  pool size x vendor latency ({matrix['tasks_per_cell']} tasks a cell, deadline 60 s nominal)")
+                self.stdout.write(f"  {'workers':>8} {'latency s':>10} {'tasks/s':>8} {'p95 wait s':>11} {'hit deadline':>13}")
+                for cell in matrix["cells"]:
+                    self.stdout.write(f"  {cell['workers']:>8} {cell['vendor_latency_s']:>10g} {_fmt(cell['throughput_tps']):>8} "
+                                      f"{_fmt(cell['p95_wait_s']):>11} {cell['deadline_share']:>12.1%}")
 
 
 def _fmt(value) -> str:

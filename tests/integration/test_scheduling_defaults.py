@@ -1,0 +1,224 @@
+"""Scheduling promises of seeds 001 and 003 with the shipped lane defaults (issue 15)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from tasks import timescale
+from tasks.models import Lane, Task, TenantQuota
+from tasks.poc import files
+from tasks.services.dispatch import admit_lane, promote_retries
+from tasks.services.outcomes import task_move
+from tasks.services.tenancy import tenant_ensure
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def queued_task(tenant, lane: Lane, *, waited_s: float, deadline_s: float = 86400, index: int = 0) -> Task:
+    """A task that entered the lane's queue `waited_s` nominal seconds ago (its own rows, as intake writes them)."""
+    from tasks.models import FileVersion
+
+    now = timezone.now()
+    queued = now - timescale.delta(waited_s)
+    file = FileVersion.objects.create(tenant=tenant, sha256=f"{index:064x}", size=1000, detected_type="audio/x-wav",
+                                      storage_name=f"x/{index}", precheck_state="passed")
+    deadline_at = queued + timescale.delta(deadline_s)
+    queue_deadline_at = queued + timescale.delta(lane.queue_deadline_s)
+    task = Task.objects.create(
+        tenant=tenant, file=file, kind="transcription", target_format="txt", priority="batch", lane=lane,
+        deadline_at=deadline_at, queue_deadline_at=queue_deadline_at,
+        dispatch_deadline_at=min(deadline_at, queue_deadline_at), queued_at=queued,
+    )
+    # Into QUEUED through the one state writer, as the pre-check would.
+    task_move(task.pk, source="ACCEPTED", target="QUEUED", generation=0, actor="test", reason="queued",
+              fields=dict(queued_at=queued))
+    Task.objects.filter(pk=task.pk).update(created_at=queued)
+    return Task.objects.get(pk=task.pk)
+
+
+def admissions(lane: Lane, *, until) -> list:
+    """Admit, let each admitted task finish at once (its slot comes back), admit again..."""
+    order = []
+    for _ in range(100):
+        sent = admit_lane(Lane.objects.get(pk=lane.pk), timezone.now())
+        if not sent:
+            break
+        for task_id, generation, _ in sent:
+            task = Task.objects.get(pk=task_id)
+            order.append(task)
+            task_move(task.pk, source="QUEUED", target="CANCELLED", generation=task.generation, actor="test",
+                      reason="finished")
+        if until(order):
+            break
+    return order
+
+
+def test_fair_share_survives_aging_with_the_default_aging(transactional_db):
+    """A floods 200 tasks; B submits 10 a minute later. With the batch lane's default aging (120 s),
+    A's old tasks must not turn the lane into FIFO: B gets its share of the slots at once."""
+    lane = Lane.objects.get(pk="batch")
+    alpha, beta = tenant_ensure(name="alpha"), tenant_ensure(name="beta")
+    for i in range(200):
+        queued_task(alpha, lane, waited_s=150 + i * 0.01, index=i)
+    for i in range(10):
+        queued_task(beta, lane, waited_s=90 - i * 0.01, index=1000 + i)
+    order = admissions(lane, until=lambda o: sum(t.tenant_id == beta.pk for t in o) == 10)
+    starts = "".join("B" if t.tenant_id == beta.pk else "A" for t in order)
+    assert starts[:20].count("B") == 10, f"start order {starts[:40]}: B waited behind A's flood"
+
+
+def test_aging_still_lifts_a_tenant_that_fair_share_would_starve(transactional_db):
+    lane = Lane.objects.get(pk="batch")
+    big, tiny = tenant_ensure(name="big"), tenant_ensure(name="tiny")
+    TenantQuota.objects.filter(tenant=tiny).update(lane_weights={"batch": 0.01})
+    for i in range(60):
+        queued_task(big, lane, waited_s=10, index=i)
+    queued_task(tiny, lane, waited_s=lane.aging_s + 30, index=999)
+    order = admissions(lane, until=lambda o: any(t.tenant_id == tiny.pk for t in o))
+    position = next(i for i, t in enumerate(order) if t.tenant_id == tiny.pk)
+    assert position < 21, f"the starved tenant started only at position {position}"
+
+
+def test_dispatch_follows_the_earliest_deadline_and_a_retry_keeps_its_place(transactional_db):
+    """In the batch lane (queue deadline 6 h) business deadlines below it decide the order."""
+    lane = Lane.objects.get(pk="batch")
+    tenant = tenant_ensure(name="acme")
+    TenantQuota.objects.filter(tenant=tenant).update(max_running=1)
+    deadlines = [14400, 600, 7200, 120, 3600, 900, 10800, 1800]
+    tasks = [queued_task(tenant, lane, waited_s=10 - i, deadline_s=d, index=i) for i, d in enumerate(deadlines)]
+    # The 600 s task was tried and came back from RETRY_WAIT: it keeps its deadline's place.
+    retried = tasks[1]
+    task_move(retried.pk, source="QUEUED", target="RETRY_WAIT", generation=retried.generation, actor="test",
+              reason="parked", fields=dict(due_at=timezone.now() - timedelta(seconds=1)))
+    assert promote_retries(timezone.now()) == 1
+    order = admissions(lane, until=lambda o: len(o) == len(deadlines))
+    started = [deadlines[tasks.index(next(t for t in tasks if t.pk == s.pk))] for s in order]
+    assert started == sorted(deadlines), f"started by deadline {started}"
+
+
+def test_a_task_near_its_deadline_goes_before_fair_share(transactional_db):
+    lane = Lane.objects.get(pk="interactive")
+    calm, hurried = tenant_ensure(name="calm"), tenant_ensure(name="hurried")
+    busy = [queued_task(hurried, lane, waited_s=30, index=i) for i in range(4)]
+    Task.objects.filter(pk__in=[t.pk for t in busy]).update(dispatched_at=timezone.now())
+    for i in range(3):
+        queued_task(calm, lane, waited_s=1, index=100 + i)
+    # Fair share would pick calm (nothing running) before hurried (four running)...
+    urgent = queued_task(hurried, lane, waited_s=lane.queue_deadline_s - 20, index=200)
+    sent = admit_lane(lane, timezone.now())
+    assert sent[0][0] == urgent.pk, "the task 20 s from its queue deadline waited behind fair share"
+    assert {Task.objects.get(pk=t).tenant_id for t, _, _ in sent[1:]} == {calm.pk}
+
+
+# --- admission closes early, in every policy ---------------------------------------------------------
+def test_a_defer_lane_defers_new_work_at_its_early_close_threshold(transactional_db, api):
+    Lane.objects.filter(pk="batch").update(max_queued=10)
+    answers = []
+    for i in range(12):
+        body = {**_body(api, i), "priority": "batch"}
+        answers.append(api.post("/api/v1/tasks", data=json.dumps(body), content_type="application/json"))
+    assert [a.status_code for a in answers] == [202] * 12
+    deferred = [a.json().get("waiting_reason") == "lane_full" for a in answers]
+    assert deferred == [False] * 8 + [True] * 4, "the batch lane (defer, 80 %) must defer from the 9th task"
+
+
+def test_a_reject_lane_answers_503_at_its_early_close_threshold(transactional_db, api):
+    Lane.objects.filter(pk="interactive").update(max_queued=10, early_close_pct=80)
+    statuses = [api.post("/api/v1/tasks", data=json.dumps(_body(api, i)), content_type="application/json")
+                for i in range(10)]
+    assert [a.status_code for a in statuses] == [202] * 8 + [503] * 2
+    refused = statuses[-1]
+    assert refused["Content-Type"] == "application/problem+json" and refused.json()["code"] == "backlog_full"
+    assert "80%" in refused.json()["detail"] and int(refused["Retry-After"]) >= 1
+
+
+def test_admission_closes_while_the_oldest_queued_task_has_waited_too_long(transactional_db, api):
+    lane = Lane.objects.get(pk="interactive")
+    # Another tenant's task has waited past the lane's default limit (half its queue deadline).
+    queued_task(tenant_ensure(name="other"), lane, waited_s=lane.oldest_wait_limit_s + 10, index=5)
+    answer = api.post("/api/v1/tasks", data=json.dumps(_body(api, 1)), content_type="application/json")
+    assert answer.status_code == 503 and "oldest queued task has waited" in answer.json()["detail"]
+
+
+def test_the_active_worker_gate_closes_a_busy_lane_with_a_backlog(transactional_db, api):
+    lane = Lane.objects.get(pk="interactive")
+    Lane.objects.filter(pk=lane.pk).update(max_running=2, busy_close_pct=100)
+    other = tenant_ensure(name="other")
+    running = [queued_task(other, lane, waited_s=5, index=i) for i in range(2)]
+    Task.objects.filter(pk__in=[t.pk for t in running]).update(dispatched_at=timezone.now())
+    queued_task(other, lane, waited_s=1, index=9)
+    answer = api.post("/api/v1/tasks", data=json.dumps(_body(api, 2)), content_type="application/json")
+    assert answer.status_code == 503 and "slots are busy" in answer.json()["detail"]
+
+
+def _body(api, index: int) -> dict:
+    stored = api.post("/api/v1/files", data=files.wav(1), content_type="application/octet-stream",
+                      HTTP_X_FILENAME="a.wav")
+    assert stored.status_code == 201, stored.content
+    return {"file_id": stored.json()["id"], "kind": "transcription", "target_format": "txt", "priority": "interactive"}
+
+
+
+def test_a_finished_task_says_where_its_time_went_stage_by_stage(inline_queue, api):
+    from tests.conftest import run_until
+    from tests.support.flows import submit_file
+
+    inline_queue.control.channel("primary", processing_ms=20_000, queue_ms=1000)
+    task = run_until(submit_file(api))
+    stages = api.get(f"/api/v1/tasks/{task.pk}").json()["stages"]
+    assert list(stages) == ["queued", "admitted", "uploading", "vendor_queued", "vendor_processing", "fetching", "notifying"]
+    for stage in ("queued", "uploading", "vendor_queued", "vendor_processing", "fetching"):
+        assert stages[stage] is not None and stages[stage] >= 0, (stage, stages)
+    # The vendor processed for 20 nominal seconds: that is where most of the time went.
+    assert stages["vendor_processing"] >= 20 * timescale.scale() * 0.5 > stages["uploading"]
+    assert stages["notifying"] is None  # no callback URL
+
+
+# --- timeouts reach the calls -----------------------------------------------------------------------------
+def test_a_dribbled_result_download_is_cut_at_its_wall_clock_deadline_and_downloaded_again(inline_queue, api):
+    """httpx's read timeout is per read: without a wall-clock deadline a result dribbled for 60 s
+    would hold the worker although the channel's result timeout is 30 s."""
+    from tasks.models import VendorCall, VendorChannel
+    from tests.conftest import run_until
+    from tests.support.flows import submit_file
+
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    inline_queue.control.add_rule({"endpoint": "GET /v1/jobs/*/result", "type": "dribble",
+                                   "params": {"chunks": 30, "total_ms": 60_000}, "times": 1})
+    task = run_until(submit_file(api), timeout=60)
+    assert task.state == "SUCCEEDED"
+    cut = VendorCall.objects.get(task=task, operation="get_result", error_class="DownloadDeadlineExceeded")
+    limit_ms = VendorChannel.objects.get(pk="primary").result_timeout_s * 1000 * timescale.scale()
+    assert cut.duration_ms <= limit_ms * 1.5, f"the download ran {cut.duration_ms} ms against a {limit_ms:.0f} ms deadline"
+    assert VendorCall.objects.filter(task=task, operation="get_result", outcome="ok").count() == 1
+
+
+def test_no_vendor_call_outlives_the_attempt_it_serves(transactional_db, settings):
+    from tasks.models import VendorChannel
+    from tasks.vendors.http import MIN_CALL_S, VendorHttp, problem_details
+
+    settings.TIME_SCALE = 1.0
+    channel = VendorChannel.objects.get(pk="primary")
+    soon = timezone.now() + timedelta(seconds=2)
+    http = VendorHttp(channel, auth_headers={}, error_details=problem_details, deadline=soon)
+    timeout = http.timeout(channel.status_timeout_s)
+    assert timeout.read <= 2.0 and timeout.connect <= 2.0, timeout
+    late = VendorHttp(channel, auth_headers={}, error_details=problem_details, deadline=timezone.now() - timedelta(seconds=5))
+    assert late.timeout(channel.status_timeout_s).read == MIN_CALL_S
+    free = VendorHttp(channel, auth_headers={}, error_details=problem_details)
+    assert free.timeout(channel.status_timeout_s).read == channel.status_timeout_s
+
+
+def test_each_step_is_sent_with_its_lanes_execution_timeout_plus_the_grace(transactional_db, settings):
+    from tasks.queueing import _lane_timeouts, step_timeout_s
+
+    _lane_timeouts.clear()
+    lane = Lane.objects.get(pk="interactive")
+    grace = max(settings.STEP_GRACE_S * settings.TIME_SCALE, settings.STEP_GRACE_FLOOR_S)
+    assert step_timeout_s("interactive") == min(int(-(-(lane.execution_timeout_s * settings.TIME_SCALE + grace) // 1)),
+                                                settings.LANE_STEP_TIMEOUT_S["interactive"])
+    assert step_timeout_s("interactive") <= settings.Q_CLUSTER["ALT_CLUSTERS"]["interactive"]["retry"] - 30
