@@ -64,8 +64,10 @@ class SubmitRequest:
     callback_url: str = ""
 
     def fingerprint(self) -> str:
+        """Everything that changes what the task does or where it reports: a key reused with any
+        of it different is a mismatch (422), never a replay that drops the new values."""
         canonical = json.dumps(
-            [self.file_id, self.kind, self.target_format, self.params, self.priority],
+            [self.file_id, self.kind, self.target_format, self.params, self.priority, self.deadline_s, self.callback_url],
             sort_keys=True, separators=(",", ":"),
         )
         return hashlib.sha256(canonical.encode()).hexdigest()

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import random
-import socket
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
@@ -22,9 +19,9 @@ from django.db.models import Q
 from django.utils import timezone
 
 from tasks import timescale
-from tasks.errors import InvalidRequest
 from tasks.models import Notification, Task
 from tasks.observability import log_event
+from tasks.outbound import OutboundRefused, Pinned, outbound_pin
 
 BACKOFF_BASE_S = 2.0
 BACKOFF_CAP_S = 600.0
@@ -47,35 +44,15 @@ def event_payload(task: Task, event_type: str) -> dict[str, Any]:
 
 
 def callback_url_validate(url: str) -> str:
-    """An http(s) URL with a host; private and loopback addresses only where allowed."""
-    if len(url) > 2000:
-        raise InvalidRequest("callback_url is too long (2000 characters at most).")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidRequest("callback_url must be an http:// or https:// URL with a host.")
-    if parts.username or parts.password:
-        raise InvalidRequest("callback_url must not carry credentials.")
-    if not settings.CALLBACK_ALLOW_PRIVATE and _is_private_host(parts.hostname):
-        raise InvalidRequest("callback_url must point to a public address.")
+    """An http(s) URL with a public host that resolves (tasks/outbound.py); private and loopback
+    addresses only where SLUICE_CALLBACK_ALLOW_PRIVATE allows them."""
+    outbound_pin(url, allow_private=settings.CALLBACK_ALLOW_PRIVATE, what="callback_url")
     return url
 
 
-def _is_private_host(host: str) -> bool:
-    if host in ("localhost",) or host.endswith(".localhost") or host.endswith(".internal"):
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return address.is_private or address.is_loopback or address.is_link_local or address.is_reserved
-
-
-def _resolves_private(host: str) -> bool:
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return any(_is_private_host(info[4][0]) for info in infos)
+def _host_header(pinned: Pinned) -> str:
+    default = 443 if pinned.scheme == "https" else 80
+    return pinned.host if pinned.port == default else f"{pinned.host}:{pinned.port}"
 
 
 def notification_deliver(*, notification_id: int) -> str:
@@ -102,26 +79,31 @@ def notification_deliver(*, notification_id: int) -> str:
     signature = hmac.new(note.tenant.callback_secret.encode(), body, hashlib.sha256).hexdigest()
     status_code = None
     error = ""
-    host = urlsplit(note.url).hostname or ""
-    if not settings.CALLBACK_ALLOW_PRIVATE and _resolves_private(host):
-        error = "private_address"
-    else:
+    try:
+        # Resolved and checked now, and called at exactly that address (no second resolution).
+        pinned = outbound_pin(note.url, allow_private=settings.CALLBACK_ALLOW_PRIVATE, what="callback_url")
+    except OutboundRefused:
+        pinned = None
+        error = "refused_address"
+    if pinned is not None:
         try:
-            response = httpx.post(
-                note.url,
-                content=body,
-                headers={
-                    "Content-Type": "application/json",
-                    "X-Sluice-Event-Id": str(note.event_id),
-                    "X-Sluice-Signature": f"sha256={signature}",
-                },
-                timeout=httpx.Timeout(
-                    connect=timescale.seconds(CONNECT_TIMEOUT_S), read=timescale.seconds(READ_TIMEOUT_S),
-                    write=timescale.seconds(READ_TIMEOUT_S), pool=timescale.seconds(CONNECT_TIMEOUT_S),
-                ),
-                follow_redirects=False,
-                trust_env=False,
+            timeout = httpx.Timeout(
+                connect=timescale.seconds(CONNECT_TIMEOUT_S), read=timescale.seconds(READ_TIMEOUT_S),
+                write=timescale.seconds(READ_TIMEOUT_S), pool=timescale.seconds(CONNECT_TIMEOUT_S),
             )
+            with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
+                request = client.build_request(
+                    "POST", pinned.address_url, content=body,
+                    headers={
+                        "Host": _host_header(pinned),
+                        "Content-Type": "application/json",
+                        "X-Sluice-Event-Id": str(note.event_id),
+                        "X-Sluice-Signature": f"sha256={signature}",
+                    },
+                    # TLS names and verifies the host the tenant gave, at the address checked.
+                    extensions={"sni_hostname": pinned.host} if pinned.scheme == "https" else {},
+                )
+                response = client.send(request)
             status_code = response.status_code
         except httpx.HTTPError as exc:
             error = type(exc).__name__
