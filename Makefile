@@ -20,7 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+# This installation's own secret key, kept in var/ (never the published development key).
+var/secret_key:
+	@mkdir -p var && umask 077 && $(PYTHON) -c "import secrets; print(secrets.token_urlsafe(50))" > $@
+
+install: $(VENV)/.installed var/secret_key
 
 migrate: install
 	$(PY) manage.py migrate --noinput

@@ -2,7 +2,17 @@
 
 import os
 
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 application = get_wsgi_application()
+
+if not settings.DEBUG and settings.SECRET_KEY == settings.DEV_SECRET_KEY:
+    # With the published key anyone could mint signed result links and sessions.
+    raise ImproperlyConfigured(
+        "Refusing to serve with the published development SECRET_KEY while SLUICE_DEBUG is off: set "
+        "SLUICE_SECRET_KEY (the same on every process), or run `make install`, which writes a key for this "
+        f"installation to {settings.SECRET_KEY_FILE}."
+    )

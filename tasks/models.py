@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from tasks.secrets import SecretField
 from tasks.states import State
 
 
@@ -168,6 +169,12 @@ class QuotaOverride(models.Model):
     def __str__(self) -> str:
         return f"{self.tenant}.{self.field}={self.value} until {self.ends_at:%Y-%m-%d %H:%M}"
 
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        if self.starts_at and self.ends_at and self.ends_at <= self.starts_at:
+            raise ValidationError({"ends_at": "An override must end after it starts."})
+
 
 class VendorChannel(models.Model):
     """Configuration of one vendor endpoint. Runtime health lives in ChannelHealth."""
@@ -193,8 +200,9 @@ class VendorChannel(models.Model):
         help_text='Declare this vendor weaker than its dialect, e.g. {"reconcile_by": "none"} when its job list cannot be trusted.',
     )
     base_url = models.URLField()
-    api_key = models.CharField(max_length=200)
-    webhook_secret = models.CharField(max_length=200, blank=True)
+    # Write-only secrets, encrypted at rest (tasks/secrets.py).
+    api_key = SecretField()
+    webhook_secret = SecretField(blank=True)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.TWO_STEP)
     kinds = models.JSONField(default=list, help_text='Kinds served, e.g. ["transcription", "conversion"].')
     preference = models.PositiveIntegerField(default=100, help_text="Lower goes first; higher ones are fallbacks.")
@@ -619,6 +627,7 @@ class Quarantine(models.Model):
         PRECHECK_CRASHED = "precheck_crashed"
         PRECHECK_TIMEOUT = "precheck_timeout"
         POISON = "poison"
+        TRAILING_PAYLOAD = "trailing_payload"
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quarantine")
     file = models.ForeignKey(FileVersion, on_delete=models.CASCADE, related_name="quarantine_entries")

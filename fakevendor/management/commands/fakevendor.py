@@ -13,6 +13,17 @@ from fakevendor.config import ChannelConfig, ServerConfig
 from fakevendor.faults import RuleError, parse_rule
 from fakevendor.server import run
 
+DEV_ADMIN_TOKEN = "dev-admin-token"
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 class Command(BaseCommand):
     help = "Serve the bundled fake vendor (shared/contracts/vendor-api.md) with fault injection."
@@ -59,12 +70,18 @@ class Command(BaseCommand):
         time_scale = options["time_scale"] or float(settings.TIME_SCALE)
         if not 0 < time_scale <= 10:
             raise CommandError("--time-scale must be in (0, 10]")
+        admin_token = os.environ.get("FAKEVENDOR_ADMIN_TOKEN") or DEV_ADMIN_TOKEN
+        if admin_token == DEV_ADMIN_TOKEN and not _loopback(options["host"]):
+            raise CommandError(
+                f"Refusing to listen on {options['host']} with the published development admin token: anyone "
+                "who can reach it could rewrite its faults. Set FAKEVENDOR_ADMIN_TOKEN, or bind 127.0.0.1."
+            )
         data_dir = options["data_dir"] or str(settings.DATA_DIR / f"fakevendor-{options['port']}")
         config = ServerConfig(
             host=options["host"],
             port=options["port"],
             api_keys=tuple(k.strip() for k in os.environ.get("FAKEVENDOR_API_KEYS", "dev-vendor-key").split(",") if k.strip()),
-            admin_token=os.environ.get("FAKEVENDOR_ADMIN_TOKEN", "dev-admin-token"),
+            admin_token=admin_token,
             seed=seed,
             time_scale=time_scale,
             data_dir=data_dir,
