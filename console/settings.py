@@ -15,7 +15,14 @@ TESTING = bool(os.environ.get("PYTEST_VERSION"))
 DATA_DIR = Path(env("SLUICE_DATA_DIR", str(BASE_DIR / "var" / ("test" if TESTING else "")))).resolve()
 DATA_DIR.mkdir(parents=True, exist_ok=True)
 
-SECRET_KEY = env("SLUICE_SECRET_KEY", "dev-only-insecure-secret-key-change-me-in-production")
+# The key signs sessions, result links and queue payloads: every process of an installation must
+# share it. From the environment, else from the install's key file (`make run` and `make install`
+# write one), else the published development key, with which the web process refuses to serve
+# unless debugging (console/wsgi.py).
+DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"
+SECRET_KEY_FILE = Path(env("SLUICE_SECRET_KEY_FILE", str(BASE_DIR / "var" / "secret_key")))
+SECRET_KEY = env("SLUICE_SECRET_KEY", "") or (
+    SECRET_KEY_FILE.read_text().strip() if SECRET_KEY_FILE.is_file() else "") or DEV_SECRET_KEY
 DEBUG = env("SLUICE_DEBUG", False)
 ALLOWED_HOSTS = env("SLUICE_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env("SLUICE_CSRF_TRUSTED_ORIGINS", ["http://127.0.0.1:8000", "http://localhost:8000"])
@@ -36,6 +43,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "tasks.api.bodies.ChunkedBodies",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -44,6 +52,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "tasks.api.problems.ProblemJsonMiddleware",
+    "console.inputs.ConsoleBadInput",
 ]
 
 ROOT_URLCONF = "console.urls"
@@ -170,6 +179,9 @@ DISPATCH_TICK_S = env("SLUICE_DISPATCH_TICK_S", 0.2)
 LEASE_S = env("SLUICE_LEASE_S", 30.0)
 LEASE_FLOOR_S = env("SLUICE_LEASE_FLOOR_S", 3.0)
 CALLBACK_ALLOW_PRIVATE = env("SLUICE_CALLBACK_ALLOW_PRIVATE", False)
+# Vendor base URLs set in the console may point at private addresses (the bundled fake vendor is
+# on loopback); set 0 where vendors are only ever public.
+VENDOR_ALLOW_PRIVATE = env("SLUICE_VENDOR_ALLOW_PRIVATE", True)
 SIGNED_URL_TTL_S = env("SLUICE_SIGNED_URL_TTL_S", 900)
 PRECHECK_CPU_S = env("SLUICE_PRECHECK_CPU_S", 10)
 PRECHECK_MEMORY_MB = env("SLUICE_PRECHECK_MEMORY_MB", 512)
@@ -181,6 +193,8 @@ VENDOR_FALLBACK_URL = env("SLUICE_VENDOR_FALLBACK_URL", "http://127.0.0.1:9100/f
 VENDOR_PRIMARY_DIALECT = env("SLUICE_VENDOR_PRIMARY_DIALECT", "sluice", cast=one_of("sluice", "assemblyai"))
 VENDOR_FALLBACK_DIALECT = env("SLUICE_VENDOR_FALLBACK_DIALECT", "sluice", cast=one_of("sluice", "assemblyai"))
 VENDOR_API_KEY = env("SLUICE_VENDOR_API_KEY", "dev-vendor-key")
+# Fernet keys for secrets at rest, comma-separated, the first encrypting (tasks/secrets.py).
+SECRETS_KEYS = env("SLUICE_SECRETS_KEYS", "")
 VENDOR_WEBHOOK_SECRET = env("SLUICE_VENDOR_WEBHOOK_SECRET", "dev-webhook-secret")
 FAKEVENDOR_URL = env("FAKEVENDOR_URL", "http://127.0.0.1:9100")
 POC_LIVE_URL = env("SLUICE_LIVE_URL", "http://127.0.0.1:8000")
@@ -217,6 +231,8 @@ LOGIN_REDIRECT_URL = "portal:task_list"
 FILE_UPLOAD_TEMP_DIR = str(DATA_DIR / "tmp")
 Path(FILE_UPLOAD_TEMP_DIR).mkdir(parents=True, exist_ok=True)
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+# Multipart file names are labels only: the temporary file gets a short safe name of its own.
+FILE_UPLOAD_HANDLERS = ["tasks.api.bodies.LabelledMemoryUpload", "tasks.api.bodies.LabelledTemporaryUpload"]
 
 LOGGING = {
     "version": 1,

@@ -99,3 +99,21 @@ class PermissionDenied(SluiceError):
     """You are not allowed to do this."""
 
     code, status = "forbidden", 403
+
+
+class PayloadTooLarge(SluiceError):
+    """The request body is larger than this endpoint accepts."""
+
+    code, status = "payload_too_large", 413
+
+
+class InvalidJson(SluiceError):
+    """The body is not valid JSON."""
+
+    code, status = "invalid_json", 400
+
+
+class InvalidMultipart(SluiceError):
+    """The multipart body cannot be parsed."""
+
+    code, status = "invalid_multipart", 400

@@ -23,6 +23,9 @@ from django.conf import settings
 from django.db import connection
 
 BASE = Path(settings.BASE_DIR)
+# gunicorn's own limits, the largest it allows: the API's longest declared path or query fits,
+# so no declared request is refused by the server before Sluice sees it (docs/deployment.md).
+GUNICORN_LIMITS = ("--limit-request-line", "8190", "--limit-request-field_size", "8190")
 
 
 def free_port() -> int:
@@ -109,7 +112,7 @@ class Stack:
         self.spawn(name, [
             sys.executable, "-m", "gunicorn", "console.wsgi", "--bind", f"127.0.0.1:{port}",
             "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
-            "--timeout", "120", "--graceful-timeout", "5",
+            "--timeout", "120", "--graceful-timeout", "5", *GUNICORN_LIMITS,
         ])
         url = f"http://127.0.0.1:{port}"
         self.wait_http(f"{url}/healthz", name=name, timeout=timeout)

@@ -1,69 +1,129 @@
-"""The tasks API (shared/contracts/tasks-api.md). Views parse input and call one service."""
+"""The tasks API (shared/contracts/tasks-api.md), declared once with django-ninja: each operation's
+parameters and bodies are pydantic declarations (tasks/api/schemas.py) that both validate the
+request and generate the OpenAPI document at /api/v1/openapi.json. Views call one service each;
+every refusal is problem+json with a stable code."""
 
 from __future__ import annotations
 
-import functools
-import json
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core import signing
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
+from ninja import Body, Header, NinjaAPI, Path, Query, Status
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
+from ninja.security import HttpBearer
 
-from tasks import selectors
-from tasks.api.problems import problem, problem_from
-from tasks.errors import FileTooLarge, InvalidRequest, NotReady, SluiceError
+from tasks import safejson, selectors
+from tasks.api import schemas
+from tasks.api.bodies import MAX_LABEL, body_chunks, body_read, drain, upload_label
+from tasks.api.problems import problem, problem_from, validation_problem
+from tasks.api.results import result_response
+from tasks.errors import (
+    FileTooLarge,
+    InvalidJson,
+    InvalidMultipart,
+    InvalidRequest,
+    NotReady,
+    SluiceError,
+)
 from tasks.models import FileVersion, InboundVendorEvent, Task, Tenant, VendorChannel, VendorJob
 from tasks.scheduling.waiting import waiting_reason
 from tasks.services.cancel import task_cancel
-from tasks.services.intake import file_create, task_submit, validate_submission
+from tasks.services.intake import file_create, task_submit
 from tasks.services.tenancy import token_authenticate
 from tasks.states import State
-from tasks.storage import result_file
 from tasks.vendors.dialects import adapter_for
 from tasks.vendors.protocol import CallbackRejected
 
 CHUNK = 64 * 1024
 SIGNER_SALT = "sluice.result-link"
+MAX_JSON_BYTES = 1024 * 1024
 
 
-def api(*methods: str) -> Callable:
-    """Token auth, allowed methods, and problem+json for every refusal."""
+class TenantToken(HttpBearer):
+    """`Authorization: Bearer <token>`; the token is never logged."""
 
-    def decorate(view: Callable) -> Callable:
-        @csrf_exempt
-        @functools.wraps(view)
-        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.method not in methods:
-                return problem(405, "method_not_allowed", f"Use {' or '.join(methods)}.")
-            header = request.headers.get("Authorization", "")
-            tenant = token_authenticate(header[7:].strip()) if header.startswith("Bearer ") else None
-            if tenant is None:
-                response = problem(401, "unauthenticated", "Send Authorization: Bearer <token> with a valid API token.")
-                response["WWW-Authenticate"] = "Bearer"
-                return response
-            try:
-                return view(request, tenant, *args, **kwargs)
-            except SluiceError as error:
-                return problem_from(error)
+    def __call__(self, request: HttpRequest) -> Tenant | None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        return self.authenticate(request, token.strip())
 
-        return wrapper
-
-    return decorate
+    def authenticate(self, request: HttpRequest, token: str) -> Tenant | None:
+        return token_authenticate(token)
 
 
-def _json_body(request: HttpRequest) -> Any:
-    if not request.content_type.startswith("application/json"):
-        raise InvalidRequest("Send a JSON body with Content-Type: application/json.")
-    try:
-        return json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest("The body is not valid JSON.") from None
+class BoundedJson(Parser):
+    """JSON bodies: `application/json` only, at most 1 MB, nested at most 32 levels."""
+
+    def parse_body(self, request: HttpRequest) -> Any:
+        if request.content_type != "application/json":
+            raise InvalidRequest("Send a JSON body with Content-Type: application/json.")
+        raw = body_read(request, limit=MAX_JSON_BYTES)
+        try:
+            return safejson.loads(raw or b"null")
+        except safejson.JsonRefused as refused:
+            raise InvalidJson(str(refused)) from None
+
+
+class SluiceApi(NinjaAPI):
+    def get_openapi_schema(self, *, path_prefix: str | None = None, path_params: dict | None = None):
+        from tasks.api.document import refine
+
+        return refine(super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params))
+
+
+api = SluiceApi(
+    title="Sluice tasks API", version="1.0.0", urls_namespace="api", docs_url=None, openapi_url=None, auth=TenantToken(),
+    parser=BoundedJson(),
+    description="Upload files, submit tasks (202 Accepted), follow, cancel and download results. "
+                "Errors are application/problem+json with a stable `code`.",
+)
+
+
+@api.exception_handler(SluiceError)
+def _sluice_error(request: HttpRequest, error: SluiceError) -> HttpResponse:
+    return problem_from(error)
+
+
+@api.exception_handler(ValidationError)
+def _invalid(request: HttpRequest, error: ValidationError) -> HttpResponse:
+    return validation_problem(error.errors)
+
+
+@api.exception_handler(AuthenticationError)
+def _unauthenticated(request: HttpRequest, error: AuthenticationError) -> HttpResponse:
+    response = problem(401, "unauthenticated", "Send Authorization: Bearer <token> with a valid API token.")
+    response["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, error: HttpError) -> HttpResponse:
+    # django-ninja wraps what the body parser raised; the parser's own refusal says more.
+    if isinstance(error.__cause__, SluiceError):
+        return problem_from(error.__cause__)
+    return problem(error.status_code, "invalid_request", str(error))
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_big(request: HttpRequest, error: RequestDataTooBig) -> HttpResponse:
+    drain(request)
+    return problem(413, "payload_too_large", f"The body is larger than {MAX_JSON_BYTES} bytes.")
+
+
+def _problems(*statuses: int) -> dict[int, type]:
+    """The problem answers an operation may give, besides 401 (tasks/api/document.py lists the
+    codes each status carries)."""
+    return {status: schemas.Problem for status in statuses}
 
 
 def _iso(value) -> str | None:
@@ -95,169 +155,203 @@ def task_json(request: HttpRequest, task: Task) -> dict[str, Any]:
         "finished_at": _iso(task.finished_at), "deadline_at": _iso(task.deadline_at),
         "queue_deadline_at": _iso(task.queue_deadline_at), "attempts": task.attempts,
         "waiting_reason": waiting_reason(task), "error": error, "result": result, "status_url": status_url,
-        # Seconds spent in each stage of the latest attempt (null: not reached).
         "stages": {s["stage"]: s["seconds"] for s in selectors.task_stages(task=task)},
     }
 
 
-@api("POST")
-def files(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+# --- files ---------------------------------------------------------------------------------------
+
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["file"],
+                                       "properties": {"file": {"type": "string", "format": "binary"}}}},
+}}}
+
+
+@api.post("/files", url_name="files", operation_id="uploadFile", summary="Store an immutable file version",
+          response={201: schemas.FileOut, **_problems(400, 413, 415, 429)}, openapi_extra=UPLOAD_BODY)
+def files(request: HttpRequest, response: HttpResponse,
+          x_filename: str = Header("", alias="X-Filename", max_length=MAX_LABEL,
+                                   description="Display label only; never used to build a path.")):
+    """Raw bytes (`application/octet-stream`, chunked transfer allowed) or `multipart/form-data`
+    with a field `file`. The upload streams to disk: memory does not grow with the file."""
+    tenant: Tenant = request.auth
     length = request.META.get("CONTENT_LENGTH")
     if length and length.isdigit() and int(length) > settings.MAX_UPLOAD_BYTES + 1024 * 1024:
         raise FileTooLarge(f"The file is larger than {settings.MAX_UPLOAD_BYTES} bytes.")
-    if request.content_type.startswith("multipart/form-data"):
-        upload = request.FILES.get("file")
-        if upload is None:
-            raise InvalidRequest("Send the file in a multipart field named `file`.", field="file")
-        version = file_create(tenant=tenant, chunks=upload.chunks(CHUNK), label=upload.name or "")
+    if request.content_type == "multipart/form-data":
+        version = file_create(tenant=tenant, chunks=_multipart_file(request).chunks(CHUNK), label=_multipart_label(request))
     elif request.content_type in ("application/octet-stream", ""):
-        version = file_create(tenant=tenant, chunks=_stream(request), label=request.headers.get("X-Filename", ""))
+        version = file_create(tenant=tenant, chunks=body_chunks(request, CHUNK), label=x_filename)
     else:
-        raise InvalidRequest(
-            "Send raw bytes as application/octet-stream, or multipart/form-data with a field `file`."
-        )
-    response = JsonResponse(file_json(version), status=201)
+        raise InvalidRequest("Send raw bytes as application/octet-stream, or multipart/form-data with a field `file`.")
     response["Location"] = request.build_absolute_uri(reverse("api:file", args=[version.pk]))
-    return response
+    return Status(201, file_json(version))
 
 
-def _stream(request: HttpRequest):
-    while True:
-        chunk = request.read(CHUNK)
-        if not chunk:
-            return
-        yield chunk
+def _multipart_file(request: HttpRequest):
+    if getattr(request, "sluice_chunked", False):
+        raise InvalidMultipart("A multipart upload needs a Content-Length; send raw bytes as "
+                               "application/octet-stream to stream without one.")
+    try:
+        upload = request.FILES.get("file")
+    except MultiPartParserError as error:
+        raise InvalidMultipart(f"The multipart body cannot be parsed: {error}.") from None
+    if upload is None:
+        raise InvalidRequest("Send the file in a multipart field named `file`.", field="file")
+    return upload
 
 
-@api("GET")
-def file_detail(request: HttpRequest, tenant: Tenant, file_id: str) -> HttpResponse:
-    return JsonResponse(file_json(selectors.file_get(tenant=tenant, file_id=file_id)))
+def _multipart_label(request: HttpRequest) -> str:
+    label = upload_label(request.FILES["file"])
+    if len(label) > MAX_LABEL:
+        raise InvalidRequest(f"The file name is longer than {MAX_LABEL} characters.", field="file")
+    return label
 
 
-@api("GET", "POST")
-def tasks(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    if request.method == "GET":
-        try:
-            limit = int(request.GET.get("limit", "50"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 200:
-            raise InvalidRequest("limit must be an integer from 1 to 200.", field="limit")
-        rows, cursor = selectors.task_list(
-            tenant=tenant, state=request.GET.get("state") or None, limit=limit, cursor=request.GET.get("cursor") or None
-        )
-        return JsonResponse({"data": [task_json(request, t) for t in rows], "next_cursor": cursor})
-    submission = validate_submission(_json_body(request))
-    key = request.headers.get("Idempotency-Key")
-    submitted = task_submit(tenant=tenant, request=submission, idempotency_key=key, actor=f"api tenant {tenant.name}")
+@api.get("/files/{file_id}", url_name="file", operation_id="getFile",
+         response={200: schemas.FileOut, **_problems(400, 404)})
+def file_detail(request: HttpRequest, file_id: str = Path(..., max_length=100)):
+    return file_json(selectors.file_get(tenant=request.auth, file_id=file_id))
+
+
+# --- tasks ---------------------------------------------------------------------------------------
+
+@api.post("/tasks", url_name="tasks", operation_id="submitTask",
+          summary="Submit a task; 202 means accepted and durable, not done",
+          response={202: schemas.Accepted, **_problems(400, 404, 409, 413, 422, 429, 503)},
+          exclude_none=True)
+def task_submit_view(request: HttpRequest, response: HttpResponse, body: schemas.Submission = Body(...),
+                     idempotency_key: str | None = Header(None, alias="Idempotency-Key", min_length=1, max_length=255)):
+    tenant: Tenant = request.auth
+    submitted = task_submit(tenant=tenant, request=body.to_request(), idempotency_key=idempotency_key,
+                            actor=f"api tenant {tenant.name}")
     task = submitted.task
     status_url = request.build_absolute_uri(reverse("api:task", args=[task.pk]))
-    body = {"id": str(task.pk), "state": task.state, "status_url": status_url, "created_at": _iso(task.created_at)}
-    if task.deferred:
-        # Accepted and durable, but its lane is closed to new work for now: it waits to enter.
-        body["waiting_reason"] = "lane_full"
-    response = JsonResponse(body, status=202)
     response["Location"] = status_url
     if submitted.replayed:
         response["Idempotent-Replayed"] = "true"
-    return response
+    # A deferred task is accepted and durable, but its lane is closed to new work for now.
+    return Status(202, {"id": str(task.pk), "state": task.state, "status_url": status_url,
+                        "created_at": _iso(task.created_at), "waiting_reason": "lane_full" if task.deferred else None})
 
 
-@api("GET")
-def task_detail(request: HttpRequest, tenant: Tenant, task_id: str) -> HttpResponse:
-    return JsonResponse(task_json(request, selectors.task_get(tenant=tenant, task_id=task_id)))
+@api.get("/tasks", operation_id="listTasks", response={200: schemas.TaskPage, **_problems(400)})
+def task_list_view(request: HttpRequest,
+                   state: str | None = Query(None, pattern=schemas.STATE_LIST, description="One state or several, comma-separated."),
+                   limit: int = Query(50, ge=1, le=200),
+                   cursor: str | None = Query(None, max_length=200, pattern=r"^[A-Za-z0-9_-]+$",
+                                              description="next_cursor of the previous page.")):
+    """A page of the tenant's tasks, newest first."""
+    rows, next_cursor = selectors.task_list(tenant=request.auth, state=state, limit=limit, cursor=cursor)
+    return {"data": [task_json(request, t) for t in rows], "next_cursor": next_cursor}
 
 
-@api("GET")
-def task_events(request: HttpRequest, tenant: Tenant, task_id: str) -> HttpResponse:
-    task = selectors.task_get(tenant=tenant, task_id=task_id)
-    events = [
+TaskId = Path(..., max_length=100)
+
+
+@api.get("/tasks/{task_id}", url_name="task", operation_id="getTask",
+         response={200: schemas.TaskOut, **_problems(400, 404)})
+def task_detail(request: HttpRequest, task_id: str = TaskId):
+    return task_json(request, selectors.task_get(tenant=request.auth, task_id=task_id))
+
+
+@api.get("/tasks/{task_id}/events", url_name="task_events", operation_id="getTaskEvents",
+         response={200: schemas.EventPage, **_problems(400, 404)}, by_alias=True)
+def task_events(request: HttpRequest, task_id: str = TaskId):
+    task = selectors.task_get(tenant=request.auth, task_id=task_id)
+    return {"data": [
         {"at": _iso(e.at), "from": e.from_state or None, "to": e.to_state or None, "actor": e.actor,
          "reason": e.reason, "generation": e.generation}
         for e in selectors.task_events(task=task)
-    ]
-    return JsonResponse({"data": events})
+    ]}
 
 
-@api("POST")
-def task_cancel_view(request: HttpRequest, tenant: Tenant, task_id: str) -> HttpResponse:
-    task = selectors.task_get(tenant=tenant, task_id=task_id)
-    outcome = task_cancel(task_id=task.pk, actor=f"api tenant {tenant.name}")
-    return JsonResponse({"id": str(task.pk), "state": outcome.state}, status=202)
+@api.post("/tasks/{task_id}/cancel", url_name="task_cancel", operation_id="cancelTask",
+          response={202: schemas.CancelOut, **_problems(400, 404, 409)})
+def task_cancel_view(request: HttpRequest, task_id: str = TaskId):
+    """CANCELLED at once for work not yet running, CANCEL_REQUESTED while the vendor is asked to stop."""
+    task = selectors.task_get(tenant=request.auth, task_id=task_id)
+    outcome = task_cancel(task_id=task.pk, actor=f"api tenant {request.auth.name}")
+    return Status(202, {"id": str(task.pk), "state": outcome.state})
 
 
-@api("GET")
-def task_result(request: HttpRequest, tenant: Tenant, task_id: str) -> HttpResponse:
-    return _result_response(selectors.task_get(tenant=tenant, task_id=task_id))
+BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+          "headers": {"X-Content-SHA256": {"schema": {"type": "string"}}, "Content-Disposition": {"schema": {"type": "string"}}}}
 
 
-@api("POST")
-def task_result_link(request: HttpRequest, tenant: Tenant, task_id: str) -> HttpResponse:
-    task = selectors.task_get(tenant=tenant, task_id=task_id)
+@api.get("/tasks/{task_id}/result", url_name="task_result", operation_id="getTaskResult",
+         response={200: None, **_problems(400, 404, 409, 410)},
+         openapi_extra={"responses": {200: {"description": "The result bytes", **BINARY}}})
+def task_result(request: HttpRequest, task_id: str = TaskId):
+    return result_response(selectors.task_get(tenant=request.auth, task_id=task_id))
+
+
+@api.post("/tasks/{task_id}/result-link", url_name="task_result_link", operation_id="createResultLink",
+          response={201: schemas.ResultLink, **_problems(400, 404, 409)})
+def task_result_link(request: HttpRequest, task_id: str = TaskId):
+    """An expiring signed link to the result, to hand to someone without a token."""
+    task = selectors.task_get(tenant=request.auth, task_id=task_id)
     if task.state != State.SUCCEEDED:
         raise NotReady(f"The task is {task.state}; a link can be made once it is SUCCEEDED.")
     token = signing.TimestampSigner(salt=SIGNER_SALT).sign(f"{task.pk}:{task.result_sha256}")
-    ttl = int(settings.SIGNED_URL_TTL_S)
     url = request.build_absolute_uri(reverse("api:signed_result", args=[token]))
-    expires = timezone.now() + timedelta(seconds=ttl)
-    return JsonResponse({"url": url, "expires_at": _iso(expires)}, status=201)
+    expires = timezone.now() + timedelta(seconds=int(settings.SIGNED_URL_TTL_S))
+    return Status(201, {"url": url, "expires_at": _iso(expires)})
 
 
-@csrf_exempt
-def signed_result(request: HttpRequest, token: str) -> HttpResponse:
+@api.get("/results/{token}", url_name="signed_result", operation_id="getSignedResult", auth=None,
+         response={200: None, **_problems(400, 404, 409, 410)},
+         openapi_extra={"responses": {200: {"description": "The result bytes", **BINARY}}, "security": []})
+def signed_result(request: HttpRequest, token: str = Path(..., max_length=300, pattern=r"^[A-Za-z0-9_:\-]+$")):
     """An expiring link: the signature, not a token header, authorizes this one download."""
-    if request.method != "GET":
-        return problem(405, "method_not_allowed", "Use GET.")
     try:
         value = signing.TimestampSigner(salt=SIGNER_SALT).unsign(token, max_age=int(settings.SIGNED_URL_TTL_S))
     except signing.SignatureExpired:
         return problem(410, "link_expired", "This link expired; ask for a new one.")
     except signing.BadSignature:
         return problem(404, "not_found", "No such resource.")
-    task_id, sha = value.split(":", 1)
+    task_id, _, sha = value.partition(":")
     task = Task.objects.filter(pk=task_id, result_sha256=sha).first()
     if task is None:
         return problem(404, "not_found", "No such resource.")
-    return _result_response(task)
+    return result_response(task)
 
 
-def _result_response(task: Task) -> HttpResponse:
-    if task.state != State.SUCCEEDED or not task.result_path:
-        raise NotReady(f"The task is {task.state}; its result can be downloaded once it is SUCCEEDED.", state=task.state)
-    path = result_file(task.result_path)
-    if not path.exists():
-        return problem(410, "result_expired", "The result is past its retention and was removed.")
-    response = FileResponse(open(path, "rb"), content_type=task.result_content_type or "application/octet-stream")
-    response["Content-Disposition"] = f'attachment; filename="{task.pk}.{task.target_format}"'
-    response["X-Content-SHA256"] = task.result_sha256
-    return response
+# --- vendors -------------------------------------------------------------------------------------
+
+CALLBACK_BODY = {"requestBody": {"required": True, "description": "The vendor's event, in its dialect; "
+                                 "authenticated as the dialect says (a signature header or a shared secret).",
+                                 "content": {"application/json": {"schema": {"type": "object"}}}},
+                 "security": []}
 
 
-@csrf_exempt
-def vendor_callback(request: HttpRequest, channel_name: str) -> HttpResponse:
-    """A vendor's authenticated job event (each dialect says how it authenticates): shortens the
-    wait for the next poll. Polling stays the truth."""
-    if request.method != "POST":
-        return problem(405, "method_not_allowed", "Use POST.")
+@api.post("/vendor-callbacks/{channel_name}", url_name="vendor_callback", operation_id="vendorCallback", auth=None,
+          response={200: schemas.CallbackReceived, **_problems(400, 401, 404, 413)},
+          openapi_extra=CALLBACK_BODY)
+def vendor_callback(request: HttpRequest, channel_name: str = Path(..., max_length=32, pattern=r"^[-a-zA-Z0-9_]+$")):
+    """A vendor's authenticated job event: shortens the wait for the next poll. Polling stays the truth."""
     channel = VendorChannel.objects.filter(pk=channel_name).first()
     if channel is None:
         return problem(404, "not_found", "No such channel.")
+    body = body_read(request, limit=MAX_JSON_BYTES)
     try:
-        event = adapter_for(channel).verify_callback(request.headers, request.body)
+        event = adapter_for(channel).verify_callback(request.headers, body)
     except CallbackRejected as rejected:
         return problem(rejected.status, rejected.code, rejected.detail)
-    event_id, job_id = event.event_id, event.job_id
-    _, created = InboundVendorEvent.objects.get_or_create(channel=channel, event_id=event_id[:100], defaults={"job_id": job_id[:100]})
+    _, created = InboundVendorEvent.objects.get_or_create(channel=channel, event_id=event.event_id[:100],
+                                                          defaults={"job_id": event.job_id[:100]})
     if created:
-        job = VendorJob.objects.filter(channel=channel, vendor_job_id=job_id).first()
+        job = VendorJob.objects.filter(channel=channel, vendor_job_id=event.job_id).first()
         if job is not None:
             Task.objects.filter(pk=job.task_id, state=State.RUNNING, phase=Task.Phase.POLL, vendor_job=job).update(
-                due_at=timezone.now()
-            )
-    return JsonResponse({"received": True, "duplicate": not created})
+                due_at=timezone.now())
+    return {"received": True, "duplicate": not created}
 
 
+@csrf_exempt
 def openapi(request: HttpRequest) -> HttpResponse:
-    from tasks.api.openapi import document
-
-    return JsonResponse(document(request.build_absolute_uri("/")))
+    """The OpenAPI document, generated from the declarations above."""
+    if request.method != "GET":
+        return HttpResponseNotAllowed(["GET"])
+    return JsonResponse(api.get_openapi_schema(path_prefix=reverse("api:files").rsplit("files", 1)[0]))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django import forms
 
+from tasks.api.bodies import MAX_LABEL, upload_label
 from tasks.filetypes import KINDS, TARGET_FORMATS
 
 TARGETS = sorted({t for targets in TARGET_FORMATS.values() for t in targets})
@@ -12,6 +13,12 @@ class SubmitForm(forms.Form):
     kind = forms.ChoiceField(choices=[(k, k.capitalize()) for k in KINDS])
     target_format = forms.ChoiceField(choices=[(t, t) for t in TARGETS])
     priority = forms.ChoiceField(choices=[("interactive", "Interactive (fast lane)"), ("batch", "Batch")], initial="batch")
+
+    def clean_file(self):
+        upload = self.cleaned_data["file"]
+        if len(upload_label(upload)) > MAX_LABEL:
+            raise forms.ValidationError(f"The file name is longer than {MAX_LABEL} characters; rename the file and upload it again.")
+        return upload
 
     def clean(self):
         data = super().clean()

@@ -9,7 +9,8 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from tasks import selectors
-from tasks.api.views import _result_response
+from tasks.api.bodies import upload_label
+from tasks.api.results import result_response
 from tasks.errors import SluiceError
 from tasks.portal.forms import SubmitForm
 from tasks.scheduling.waiting import waiting_reason
@@ -65,7 +66,7 @@ def upload(request: HttpRequest, tenant) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         upload = form.cleaned_data["file"]
         try:
-            version = file_create(tenant=tenant, chunks=upload.chunks(64 * 1024), label=upload.name or "")
+            version = file_create(tenant=tenant, chunks=upload.chunks(64 * 1024), label=upload_label(upload))
             submitted = task_submit(
                 tenant=tenant,
                 request=SubmitRequest(
@@ -117,7 +118,7 @@ def task_cancel_view(request: HttpRequest, tenant, task_id: str) -> HttpResponse
 @tenant_required
 def task_download(request: HttpRequest, tenant, task_id: str) -> HttpResponse:
     try:
-        return _result_response(selectors.task_get(tenant=tenant, task_id=task_id))
+        return result_response(selectors.task_get(tenant=tenant, task_id=task_id))
     except SluiceError as error:
         messages.error(request, error.detail)
         return redirect("portal:task_detail", task_id=task_id)

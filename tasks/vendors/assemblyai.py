@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
-from tasks import timescale
+from tasks import safejson, timescale
 from tasks.models import VendorChannel
 from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.classification import Outcome, Row
@@ -135,7 +135,7 @@ class AssemblyAIAdapter:
         if not hmac.compare_digest(secret.encode(), headers.get(WEBHOOK_HEADER, "").encode()):
             raise CallbackRejected(401, "bad_signature", f"The {WEBHOOK_HEADER} header does not match.")
         try:
-            event = json.loads(body)
+            event = safejson.loads(body)  # bounded depth: a signed but hostile body is refused, not crashed on
             transcript_id, status = str(event["transcript_id"]), str(event["status"])
         except (ValueError, KeyError, TypeError):
             raise CallbackRejected(400, "invalid_request", "Expected {transcript_id, status}.") from None

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tasks import timescale
+from tasks import safejson, timescale
 from tasks.models import VendorChannel
 from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.errors import MalformedResponse
@@ -131,7 +131,7 @@ class SluiceAdapter:
         if not hmac.compare_digest(expected, headers.get("X-Vendor-Signature", "")):
             raise CallbackRejected(401, "bad_signature", "The signature does not match.")
         try:
-            event = json.loads(body)
+            event = safejson.loads(body)  # bounded depth: a signed but hostile body is refused, not crashed on
             return CallbackEvent(event_id=str(event["event_id"])[:100], job_id=str(event["job"]["id"])[:100])
         except (ValueError, KeyError, TypeError):
             raise CallbackRejected(400, "invalid_request", "Expected {event, event_id, job: {id}}.") from None

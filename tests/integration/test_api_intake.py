@@ -106,7 +106,7 @@ def test_invalid_submissions_name_what_to_fix_and_store_nothing(api, body, field
 
 def test_malformed_json_is_a_problem_not_a_500(api):
     answer = api.post("/api/v1/tasks", data="{not json", content_type="application/json")
-    assert answer.status_code == 400 and answer.json()["code"] == "invalid_request"
+    assert answer.status_code == 400 and answer.json()["code"] == "invalid_json"
 
 
 def test_unknown_file_is_404_file_not_found(api):
@@ -127,6 +127,26 @@ def test_same_key_same_request_replays_the_original_task(api):
     again = submit(api, {**body, "params": {"language": "en"}}, key="order-1")
     assert first.status_code == again.status_code == 202
     assert again.json()["id"] == first.json()["id"] and again["Idempotent-Replayed"] == "true"
+    assert Task.objects.count() == 1
+
+
+@pytest.mark.parametrize("change", [
+    {"target_format": "srt"}, {"kind": "transcription", "target_format": "json"}, {"priority": "batch"},
+    {"params": {"language": "de"}}, {"deadline_s": 7200}, {"callback_url": "https://93.184.216.34/other"},
+    {"file_id": None},
+], ids=lambda c: next(iter(c)))
+def test_a_key_reused_with_any_field_changed_is_a_mismatch_not_a_replay(api, change):
+    """Every field that changes what the task does or where it reports is in the fingerprint."""
+    file_id = upload(api, files.wav()).json()["id"]
+    other_file = upload(api, files.wav(2)).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "interactive",
+            "params": {"language": "en"}, "deadline_s": 3600, "callback_url": "https://93.184.216.34/hook"}
+    assert submit(api, body, key="walk-1").status_code == 202
+    changed = {**body, **change}
+    if "file_id" in change:
+        changed["file_id"] = other_file
+    answer = submit(api, changed, key="walk-1")
+    assert answer.status_code == 422 and answer.json()["code"] == "idempotency_key_mismatch", answer.content
     assert Task.objects.count() == 1
 
 
@@ -218,6 +238,28 @@ def test_list_paginates_with_a_cursor_and_filters_by_state(api):
 def test_openapi_describes_every_endpoint(client):
     document = client.get("/api/v1/openapi.json").json()
     assert document["openapi"].startswith("3.")
-    for path in ["/api/v1/files", "/api/v1/tasks", "/api/v1/tasks/{task_id}", "/api/v1/tasks/{task_id}/cancel",
-                 "/api/v1/tasks/{task_id}/result"]:
-        assert path in document["paths"]
+    for path in ["/api/v1/files", "/api/v1/files/{file_id}", "/api/v1/tasks", "/api/v1/tasks/{task_id}",
+                 "/api/v1/tasks/{task_id}/events", "/api/v1/tasks/{task_id}/cancel", "/api/v1/tasks/{task_id}/result",
+                 "/api/v1/tasks/{task_id}/result-link", "/api/v1/results/{token}", "/api/v1/vendor-callbacks/{channel_name}"]:
+        assert path in document["paths"], path
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            for status, response in operation["responses"].items():
+                if int(status) >= 400:
+                    assert list(response["content"]) == ["application/problem+json"]
+
+
+def test_the_document_is_generated_from_the_declarations_that_validate(client):
+    from tasks.filetypes import TARGET_FORMATS
+    from tasks.states import State
+
+    schemas = client.get("/api/v1/openapi.json").json()["components"]["schemas"]
+    body = client.get("/api/v1/openapi.json").json()["paths"]["/api/v1/tasks"]["post"]["requestBody"]
+    variants = body["content"]["application/json"]["schema"]
+    assert variants["discriminator"]["propertyName"] == "kind"
+    for kind, targets in TARGET_FORMATS.items():
+        variant = schemas[variants["discriminator"]["mapping"][kind].rsplit("/", 1)[1]]
+        assert variant["properties"]["kind"]["const"] == kind
+        assert variant["properties"]["target_format"]["enum"] == list(targets)  # the pairing, per kind
+        assert variant["additionalProperties"] is False
+    assert schemas["TaskOut"]["properties"]["state"]["enum"] == list(State.values)

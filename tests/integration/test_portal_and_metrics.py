@@ -1,5 +1,7 @@
 """Forms for business users (same services as the API), and Prometheus metrics."""
 
+import io
+
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
@@ -44,6 +46,25 @@ def test_form_errors_appear_next_to_the_field_and_nothing_is_stored(portal):
     assert answer.status_code == 400
     assert 'data-error-for="target_format"' in answer.content.decode()
     assert Task.objects.count() == 0
+
+
+def test_the_senders_file_name_is_only_a_label_and_a_too_long_one_is_refused_on_the_form(portal):
+    odd = "../../" + "é" * 100 + ".wav"
+    answer = portal.post("/tasks/new/", {
+        "file": SimpleUploadedFile(odd, files.wav(), "audio/wav"), "kind": "transcription",
+        "target_format": "srt", "priority": "batch",
+    })
+    assert answer.status_code == 302
+    assert Task.objects.get().file.label == odd.split("/")[-1]
+
+    too_long = io.BytesIO(files.wav())
+    too_long.name = "n" * 300 + ".wav"  # as a browser sends it (an UploadedFile would shorten it here)
+    answer = portal.post("/tasks/new/", {
+        "file": too_long, "kind": "transcription",
+        "target_format": "srt", "priority": "batch",
+    })
+    assert answer.status_code == 400 and "longer than 255 characters" in answer.content.decode()
+    assert Task.objects.count() == 1
 
 
 def test_the_same_refusal_as_the_api_is_shown_on_the_form(portal):

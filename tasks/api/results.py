@@ -1,0 +1,23 @@
+"""A task's result as a download, for the API and the portal alike."""
+
+from __future__ import annotations
+
+from django.http import FileResponse, HttpResponse
+
+from tasks.api.problems import problem
+from tasks.errors import NotReady
+from tasks.models import Task
+from tasks.states import State
+from tasks.storage import result_file
+
+
+def result_response(task: Task) -> HttpResponse:
+    if task.state != State.SUCCEEDED or not task.result_path:
+        raise NotReady(f"The task is {task.state}; its result can be downloaded once it is SUCCEEDED.", state=task.state)
+    path = result_file(task.result_path)
+    if not path.exists():
+        return problem(410, "result_expired", "The result is past its retention and was removed.")
+    response = FileResponse(open(path, "rb"), content_type=task.result_content_type or "application/octet-stream")
+    response["Content-Disposition"] = f'attachment; filename="{task.pk}.{task.target_format}"'
+    response["X-Content-SHA256"] = task.result_sha256
+    return response
