@@ -16,6 +16,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from console.admin_site import site
+from console.auditing import Audited
 from console.models import BulkOperation, PocRun
 from console.roles import role_of
 from tasks import selectors
@@ -41,7 +42,22 @@ from tasks.services.operations import TASK_ACTIONS
 CONFIGURE = "tasks.configure"
 
 
-class ReadOnly(admin.ModelAdmin):
+class Checked(admin.ModelAdmin):
+    """List filters that cannot be applied are a 400 page naming them (Django's own answer is a
+    redirect to a "database error" page)."""
+
+    def get_changelist_instance(self, request):
+        from django.contrib.admin.options import IncorrectLookupParameters
+
+        from console.inputs import BadInput
+
+        try:
+            return super().get_changelist_instance(request)
+        except IncorrectLookupParameters as error:
+            raise BadInput(f"These filters cannot be applied ({error}); open the list again and pick filters from it.") from None
+
+
+class ReadOnly(Checked):
     """Visible to every role; nothing is edited through a form."""
 
     def has_add_permission(self, request, obj=None):
@@ -54,7 +70,7 @@ class ReadOnly(admin.ModelAdmin):
         return False
 
 
-class Configurable(admin.ModelAdmin):
+class Configurable(Audited, Checked):
     """Editable by the admin role (tasks.configure), visible to every role."""
 
     def has_add_permission(self, request, obj=None):
@@ -65,14 +81,6 @@ class Configurable(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return request.user.has_perm(CONFIGURE)
-
-    def save_model(self, request, obj, form, change):
-        super().save_model(request, obj, form, change)
-        from tasks.services.audit import audit
-
-        audit(actor=request.user.get_username(), action=f"{obj._meta.model_name}_{'change' if change else 'add'}",
-              target_type=obj._meta.model_name, target_id=str(obj.pk), done=1,
-              detail={"fields": sorted(form.changed_data)})
 
 
 # --- tasks ------------------------------------------------------------------------------------------
@@ -110,13 +118,12 @@ class CreatedRangeFilter(admin.ListFilter):
         return list(self.params)
 
     def queryset(self, request, queryset):
-        from django.utils.dateparse import parse_datetime
-        from django.utils.timezone import is_naive, make_aware
+        from console.inputs import datetime_param
 
         for name, lookup in (("created_from", "created_at__gte"), ("created_to", "created_at__lte")):
-            value = parse_datetime(self.values.get(name, "") or "")
+            value = datetime_param(name, self.values.get(name, "") or "")
             if value:
-                queryset = queryset.filter(**{lookup: make_aware(value) if is_naive(value) else value})
+                queryset = queryset.filter(**{lookup: value})
         return queryset
 
     def choices(self, changelist):
@@ -191,7 +198,9 @@ class TaskAdmin(ReadOnly):
         return self._to_preview(request, queryset, "replay")
 
     def change_view(self, request: HttpRequest, object_id, form_url="", extra_context=None):
-        task = Task.objects.select_related("tenant", "lane", "channel", "file", "vendor_job").filter(pk=object_id).first()
+        from console.inputs import uuid_or_none
+
+        task = Task.objects.select_related("tenant", "lane", "channel", "file", "vendor_job").filter(pk=uuid_or_none(object_id)).first()
         if task is None or not self.has_view_permission(request, task):
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
         jobs = list(VendorJob.objects.filter(task=task).order_by("created_at"))
@@ -345,12 +354,62 @@ class LaneAdmin(Configurable):
         self.message_user(request, f"{queryset.count()} lane(s) resumed")
 
 
+SECRET_FIELDS = ("api_key", "webhook_secret")
+
+
+class WriteOnlySecret(forms.CharField):
+    """A secret that is set or replaced, never shown: empty keeps what is stored."""
+
+    widget = forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"})
+
+    def __init__(self, **kwargs):
+        kwargs.update(required=False, strip=True)
+        super().__init__(**kwargs)
+
+
 class VendorChannelForm(forms.ModelForm):
-    """A channel's configuration, checked against what its dialect can do."""
+    """A channel's configuration, checked against what its dialect can do. Its secrets are
+    write-only: the form shows whether each is set (and, to admins, its last 4 characters)."""
+
+    api_key = WriteOnlySecret(label="API key", help_text="Set or replace; leave empty to keep the current one.")
+    webhook_secret = WriteOnlySecret(label="Webhook secret", help_text="Set or replace; leave empty to keep the current one.")
 
     class Meta:
         model = VendorChannel
         fields = "__all__"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from tasks.secrets import hint
+
+        for name in SECRET_FIELDS:
+            current = getattr(self.instance, name, "") if self.instance and self.instance.pk else ""
+            self.fields[name].help_text = f"{hint(current)}. Set or replace; leave empty to keep it."
+            # The stored value never reaches the form, not even as its initial value: the field
+            # counts as changed only when a new value is typed.
+            self.initial[name] = ""
+
+    def clean_api_key(self):
+        value = self.cleaned_data.get("api_key")
+        if not value and not (self.instance and self.instance.pk and self.instance.api_key):
+            raise forms.ValidationError("An API key is required.")
+        return value or (self.instance.api_key if self.instance and self.instance.pk else "")
+
+    def clean_webhook_secret(self):
+        value = self.cleaned_data.get("webhook_secret")
+        return value or (self.instance.webhook_secret if self.instance and self.instance.pk else "")
+
+    def clean_base_url(self):
+        from django.conf import settings
+
+        from tasks.outbound import OutboundRefused, outbound_pin
+
+        url = self.cleaned_data.get("base_url")
+        try:
+            outbound_pin(url, allow_private=settings.VENDOR_ALLOW_PRIVATE, what="the base URL")
+        except OutboundRefused as refused:
+            raise forms.ValidationError(refused.detail) from None
+        return url
 
     def clean(self):
         from tasks.vendors.capabilities import CapabilityError
@@ -391,13 +450,20 @@ class VendorChannelAdmin(Configurable):
 
         return health_for(obj).breaker_state
 
-    def get_form(self, request, obj=None, change=False, **kwargs):
-        form = super().get_form(request, obj, change, **kwargs)
-        # Secrets are write-only: shown as a password box, never echoed back.
-        for name in ("api_key", "webhook_secret"):
-            if name in form.base_fields:
-                form.base_fields[name].widget = forms.PasswordInput(render_value=True)
-        return form
+    def get_fields(self, request, obj=None):
+        fields = list(super().get_fields(request, obj))
+        if not self.has_change_permission(request, obj):
+            # A read-only page would print stored values: secrets are left out (see secrets_state).
+            fields = [f for f in fields if f not in SECRET_FIELDS] + ["secrets_state"]
+        return fields
+
+    def get_readonly_fields(self, request, obj=None):
+        readonly = list(super().get_readonly_fields(request, obj))
+        return readonly if self.has_change_permission(request, obj) else [*readonly, "secrets_state"]
+
+    @admin.display(description="secrets")
+    def secrets_state(self, obj: VendorChannel):
+        return ", ".join(f"{name.replace('_', ' ')}: {'set' if getattr(obj, name) else 'not set'}" for name in SECRET_FIELDS)
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         from tasks.models import BreakerTransition
@@ -457,13 +523,6 @@ class TenantAdmin(Configurable):
     fields = ("name", "callback_url", "result_retention_days")
     inlines = [TenantQuotaInline, QuotaOverrideInline]
 
-    def save_formset(self, request, form, formset, change):
-        for inline_form in formset.forms:
-            cleaned = getattr(inline_form, "cleaned_data", {}) or {}
-            if cleaned.get("starts_at") and cleaned.get("ends_at") and cleaned["ends_at"] <= cleaned["starts_at"]:
-                inline_form.add_error("ends_at", "An override must end after it starts.")
-        super().save_formset(request, form, formset, change)
-
 
 # --- records ----------------------------------------------------------------------------------------------
 @admin.register(AuditEntry, site=site)
@@ -499,8 +558,19 @@ class PocRunAdmin(ReadOnly):
         return HttpResponseRedirect(reverse("admin:poc_detail", args=[object_id]))
 
 
-class SluiceUserAdmin(UserAdmin):
+class SluiceUserAdmin(Audited, Checked, UserAdmin):
+    """Users and their roles (groups), superuser flags and permissions: every change audited."""
+
     list_display = ("username", "role", "is_active", "last_login")
+
+    def user_change_password(self, request, id, form_url=""):
+        response = super().user_change_password(request, id, form_url)
+        if request.method == "POST" and response.status_code == 302:
+            from tasks.services.audit import audit
+
+            audit(actor=request.user.get_username(), action="user_password_change", target_type="user",
+                  target_id=str(id), done=1, detail={"changes": {"password": {"before": "(set)", "after": "(replaced)"}}})
+        return response
 
     @admin.display(description="role")
     def role(self, obj):

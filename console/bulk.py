@@ -12,6 +12,7 @@ from django.db.models import Avg, Count, Q, QuerySet
 from django.http import HttpRequest, QueryDict
 from django.utils import timezone
 
+from console.inputs import uuid_list
 from console.models import BulkOperation
 from tasks.models import LedgerEntry, Quarantine, Task
 from tasks.queueing import send
@@ -28,7 +29,7 @@ COSTLY = {"retry_now", "replay"}
 def tasks_matching(filter_params: dict[str, Any], user) -> QuerySet[Task]:
     """The tasks the console's task list shows for these query parameters (all pages)."""
     if "ids" in filter_params:
-        return Task.objects.filter(pk__in=filter_params["ids"])
+        return Task.objects.filter(pk__in=uuid_list("ids", filter_params["ids"]))
     from console.admin import TaskAdmin
     from console.admin_site import site
 

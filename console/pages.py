@@ -7,7 +7,6 @@ without it, whatever the page showed.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,7 +27,9 @@ from django.views.decorators.http import require_POST
 
 from console import bulk
 from console.dashboard import dashboard_context
+from console.inputs import int_param, uuid_or_none
 from console.models import BulkOperation, PocRun
+from tasks import safejson
 from tasks.models import DuplicateIncident, LedgerEntry, Quarantine, Task, VendorChannel, VendorJob
 from tasks.services.audit import audit
 from tasks.services.operations import CONFIRMATIONS, TASK_ACTIONS
@@ -39,13 +40,28 @@ def page(site, permission: str | None = None) -> Callable:
     def decorate(view: Callable) -> Callable:
         @wraps(view)
         def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if permission and not request.user.has_perm(permission):
-                raise PermissionDenied(f"your role may not do this ({permission})")
-            return view(request, *args, **kwargs)
+            try:
+                if permission and not request.user.has_perm(permission):
+                    raise PermissionDenied(f"your role may not do this ({permission})")
+                return view(request, *args, **kwargs)
+            except PermissionDenied as denied:
+                if request.method == "POST":
+                    # An action refused for lack of permission is recorded like any other attempt.
+                    audit(actor=request.user.get_username(), action=f"denied_{view.__name__}"[:64], target_type="console",
+                          target_id=request.path[:100], skipped=1, detail={"reason": str(denied), "outcome": "denied"})
+                raise
 
         return site.admin_view(checked)
 
     return decorate
+
+
+def refused(request: HttpRequest, action: str, message: str, *, target_type: str = "", target_id: str = "",
+            level: int = messages.ERROR) -> None:
+    """An operator's action that did not happen: said on the page and recorded in the audit trail."""
+    messages.add_message(request, level, message)
+    audit(actor=request.user.get_username(), action=action, target_type=target_type, target_id=str(target_id),
+          skipped=1, detail={"reason": message, "outcome": "refused"})
 
 
 def render(request: HttpRequest, site, template: str, title: str, **context: Any) -> TemplateResponse:
@@ -119,7 +135,7 @@ def build(site) -> list:
         permission, function, label = TASK_ACTIONS[action]
         if not request.user.has_perm(permission):
             raise PermissionDenied(f"your role may not do this ({permission})")
-        task = get_object_or_404(Task.objects.select_related("file"), pk=task_id)
+        task = get_object_or_404(Task.objects.select_related("file"), pk=uuid_or_none(task_id))
         if action in CONFIRMATIONS and request.POST.get("confirm") != "yes":
             messages.error(request, f"{label}: tick “{CONFIRMATIONS[action]}” to confirm.")
             audit(actor=request.user.get_username(), action=f"task_{action}", target_type="task", target_id=str(task.pk),
@@ -147,14 +163,20 @@ def build(site) -> list:
             raw = request.POST.get("params", "").strip()
             if raw:
                 try:
-                    params = json.loads(raw)
+                    params = safejson.loads(raw)
                     assert isinstance(params, dict)
                 except (ValueError, AssertionError):
-                    messages.error(request, "Override parameters must be a JSON object, e.g. {\"language\": \"de\"}.")
+                    refused(request, "quarantine_release", "Override parameters must be a JSON object, e.g. {\"language\": \"de\"}.",
+                            target_type="quarantine", target_id=entry.pk)
                     return HttpResponseRedirect(reverse("admin:tasks_quarantine_change", args=[entry.pk]))
+            if not entry.is_open:
+                refused(request, "quarantine_release", "This entry was already released or purged: nothing was done.",
+                        target_type="quarantine", target_id=entry.pk, level=messages.WARNING)
+                return HttpResponseRedirect(reverse("admin:tasks_quarantine_change", args=[entry.pk]))
             result = quarantine_release(entry=entry, actor=actor, recheck=request.POST.get("recheck") == "yes", params=params)
             if result.get("still_failing"):
-                messages.warning(request, "The re-check still quarantines this file: nothing was released.")
+                refused(request, "quarantine_release", "The re-check still quarantines this file: nothing was released.",
+                        target_type="quarantine", target_id=entry.pk, level=messages.WARNING)
             else:
                 messages.success(request, f"Released: {result['replayed']} task(s) replayed in the unknown-risk lane, {result['skipped']} skipped.")
         elif action == "purge":
@@ -189,18 +211,20 @@ def build(site) -> list:
         channel = get_object_or_404(VendorChannel, pk=channel_name)
         state = request.POST.get("state", "")
         if state not in BREAKER_CHOICES:
-            messages.error(request, f"Choose one of {', '.join(BREAKER_CHOICES)}.")
+            refused(request, "breaker_force", f"Choose one of {', '.join(BREAKER_CHOICES)}.", target_type="channel",
+                    target_id=channel.pk)
         elif breaker_force(channel=channel, state=state, actor=request.user.get_username()):
             messages.success(request, f"Breaker of {channel.name} is now {state}.")
         else:
-            messages.warning(request, "The breaker changed meanwhile; look again and retry.")
+            refused(request, "breaker_force", "The breaker changed meanwhile; look again and retry.", target_type="channel",
+                    target_id=channel.pk, level=messages.WARNING)
         return HttpResponseRedirect(reverse("admin:tasks_vendorchannel_change", args=[channel.pk]))
 
     # --- billing reconciliation and failure triage ----------------------------------------------------------
     def billing(request):
         from tasks.services.billing import task_of_client_ref
 
-        since = timezone.now() - timedelta(days=int(request.GET.get("days", "30") or 30))
+        since = timezone.now() - timedelta(days=int_param(request, "days", 30, low=1, high=3650))
         rows: dict[tuple[str, str], dict[str, Any]] = defaultdict(lambda: defaultdict(int))
         jobs = {(j.channel_id, j.vendor_job_id): j for j in VendorJob.objects.filter(created_at__gte=since).select_related("task__tenant")}
         for job in jobs.values():
@@ -283,7 +307,7 @@ def build(site) -> list:
                 if scenario not in names or (tasks is not None and tasks <= 0) or (scale is not None and not 0 < scale <= 10):
                     raise ValueError
             except ValueError:
-                messages.error(request, "Choose a scenario; tasks must be positive; the time scale must be in (0, 10].")
+                refused(request, "poc_run", "Choose a scenario; tasks must be positive; the time scale must be in (0, 10].")
             else:
                 run = PocRun.objects.create(scenario=scenario, seed=seed, tasks=tasks, time_scale=scale,
                                             started_by=request.user.get_username())
@@ -316,7 +340,7 @@ def build(site) -> list:
             op = request.POST.get("op")
             try:
                 if op == "add":
-                    rule = json.loads(request.POST.get("rule") or "{}")
+                    rule = safejson.loads(request.POST.get("rule") or "{}")
                     created = control.add_rule(rule)
                     messages.success(request, f"Rule {created['id']} added.")
                 elif op == "delete":
@@ -330,9 +354,10 @@ def build(site) -> list:
                     messages.success(request, "Seed set.")
                 audit(actor=request.user.get_username(), action=f"fakevendor_{op}", target_type="fakevendor", done=1)
             except ValueError as exc:
-                messages.error(request, f"Not valid JSON or number: {exc}")
+                refused(request, f"fakevendor_{op}", f"Not valid JSON or number: {exc}", target_type="fakevendor")
             except ControlError as exc:
-                messages.error(request, f"Refused: {exc} (field: {exc.field})" if exc.field else f"Refused: {exc}")
+                refused(request, f"fakevendor_{op}", f"Refused: {exc} (field: {exc.field})" if exc.field else f"Refused: {exc}",
+                        target_type="fakevendor")
             return HttpResponseRedirect(reverse("admin:fakevendor"))
         reachable = control.health()
         context = {"reachable": reachable, "url": settings.FAKEVENDOR_URL, "can_edit": can_edit}
