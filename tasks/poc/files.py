@@ -143,3 +143,15 @@ def zip_bomb_lying_headers(unpacked_mb: int = 64) -> bytes:
         data[index:index + 4] = fake
         index = data.find(needle, index + 4)
     return bytes(data)
+
+
+def windows_executable() -> bytes:
+    """A minimal PE image: an "MZ" header whose e_lfanew points at the "PE\\0\\0" signature."""
+    header = bytearray(b"MZ" + b"\x90" * 0x3A + (0x80).to_bytes(4, "little"))
+    header += b"\x00" * (0x80 - len(header)) + b"PE\x00\x00" + b"\x4c\x01" + b"\x00" * 250
+    return bytes(header)
+
+
+def with_trailing(container: bytes, payload: bytes) -> bytes:
+    """A container with something appended after its declared end (readers of the format ignore it)."""
+    return container + payload

@@ -114,10 +114,29 @@ def inspect_zip(path: Path, findings: dict[str, Any]) -> None:
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, ValueError):
+        # Readers look for the directory in the last 64 KiB only: more appended content than
+        # that hides it. Found further back, the archive is whole and something follows it.
+        end = _zip_end_far(path, findings["size"])
+        if end is not None and _trailing_payload(path, findings, end, "the ZIP end-of-central-directory record"):
+            return
         quarantine(findings, "corrupt_file", "the zip container is damaged")
         return
     with archive:
+        if _trailing_payload(path, findings, _zip_end(archive), "the ZIP end-of-central-directory record"):
+            return
         infos = archive.infolist()
+        first = min((info.header_offset for info in infos), default=0)
+        if first > 0:
+            # Bytes before the first entry the directory lists are outside the archive too (an
+            # archive appended to another is read as the last one, the first left unchecked).
+            with open(path, "rb") as handle:
+                leading = handle.read(min(first, TRAILING_SCAN_BYTES))
+            kind = _payload_kind(leading) or ("other content" if first > TRAILING_ALLOWED_BYTES else None)
+            if kind:
+                findings["trailing_bytes"] = findings["size"] - first
+                quarantine(findings, "trailing_payload", f"{kind} lies outside the archive its directory describes "
+                                                         f"({first} bytes before its first entry)")
+                return
         if len(infos) > ZIP_MAX_ENTRIES:
             quarantine(findings, "zip_bomb", f"more than {ZIP_MAX_ENTRIES} entries")
             return
@@ -165,6 +184,33 @@ def inspect_zip(path: Path, findings: dict[str, Any]) -> None:
             findings["pages"] = pages or max(1, math.ceil(actual / 20000))
 
 
+def _zip_end(archive: zipfile.ZipFile) -> int:
+    """Where the archive ends: after its end-of-central-directory record and its comment."""
+    archive.fp.seek(0, 2)
+    end_record = zipfile._EndRecData(archive.fp)
+    if not end_record:
+        return archive.fp.tell()
+    return end_record[zipfile._ECD_LOCATION] + zipfile.sizeEndCentDir + len(end_record[zipfile._ECD_COMMENT])
+
+
+def _zip_end_far(path: Path, size: int) -> int | None:
+    with open(path, "rb") as handle:
+        start = max(size - TRAILING_SCAN_BYTES, 0)
+        handle.seek(start)
+        data = handle.read()
+    position = data.rfind(b"PK\x05\x06")
+    while position >= 0:
+        record = data[position:position + zipfile.sizeEndCentDir]
+        if len(record) == zipfile.sizeEndCentDir:
+            comment = struct.unpack("<H", record[20:22])[0]
+            entries, directory_size, directory_offset = struct.unpack("<HII", record[10:20])
+            # A real record: its directory lies just before it.
+            if entries and directory_offset + directory_size <= start + position:
+                return start + position + zipfile.sizeEndCentDir + comment
+        position = data.rfind(b"PK\x05\x06", 0, position)
+    return None
+
+
 def _ooxml_pages(archive: zipfile.ZipFile, names: set[str]) -> int | None:
     if "docProps/app.xml" not in names:
         return None
@@ -190,11 +236,15 @@ def inspect_pdf(path: Path, findings: dict[str, Any]) -> None:
     size = findings["size"]
     with open(path, "rb") as handle:
         body = handle.read(PDF_SCAN_BYTES)
-        handle.seek(max(size - 2048, 0))
-        tail = handle.read(2048)
-    if b"%%EOF" not in tail:
+    end = _pdf_end(path, size)
+    if end is None:
         quarantine(findings, "corrupt_file", "the PDF is truncated (no end-of-file marker)")
         return
+    if _trailing_payload(path, findings, end, "the PDF's last %%EOF"):
+        return
+    with open(path, "rb") as handle:
+        handle.seek(max(end - 2048, 0))
+        tail = handle.read(min(end, 2048))
     if b"startxref" not in tail:
         quarantine(findings, "corrupt_file", "the PDF has no cross-reference pointer")
         return
@@ -210,6 +260,83 @@ def inspect_pdf(path: Path, findings: dict[str, Any]) -> None:
         findings["risk"] = "unknown"
         findings["notes"].append("no page objects found")
     findings["pages"] = pages or None
+
+
+def _pdf_end(path: Path, size: int) -> int | None:
+    """Where the PDF ends: just after its last %%EOF marker (searched backwards, bounded)."""
+    block, position = 1024 * 1024, size
+    with open(path, "rb") as handle:
+        while position > 0 and size - position < TRAILING_SCAN_BYTES:
+            start = max(position - block, 0)
+            handle.seek(start)
+            data = handle.read(position - start + 5)  # overlap: a marker may straddle two blocks
+            found = data.rfind(b"%%EOF")
+            if found >= 0:
+                after = data[found + 5:found + 7]  # the end-of-line that ends the marker's line
+                eol = 2 if after == b"\r\n" else 1 if after[:1] in (b"\r", b"\n") else 0
+                return start + found + 5 + eol
+            position = start
+    return None
+
+
+# --- content after the container --------------------------------------------------------------
+# A container declares where it ends (RIFF's size, a PDF's last %%EOF, a ZIP's end of central
+# directory). What follows is ignored by readers of the format and so is a place to smuggle a
+# program or an archive past a check that only looks at the front.
+TRAILING_SCAN_BYTES = 64 * 1024 * 1024
+TRAILING_ALLOWED_BYTES = 64 * 1024
+PAYLOAD_SIGNATURES = {
+    b"\x7fELF": "an ELF executable",
+    b"PK\x03\x04": "a ZIP archive",
+    b"7z\xbc\xaf\x27\x1c": "a 7-Zip archive",
+    b"Rar!\x1a\x07": "a RAR archive",
+    b"\x1f\x8b\x08": "a gzip stream",
+    b"\xcf\xfa\xed\xfe": "a Mach-O executable",
+    b"\xfe\xed\xfa\xcf": "a Mach-O executable",
+    b"\xca\xfe\xba\xbe": "a Mach-O universal executable",
+    b"MSCF": "a CAB archive",
+    b"%PDF-": "another PDF",
+}
+
+
+def _trailing_payload(path: Path, findings: dict[str, Any], end: int, what: str) -> bool:
+    """Quarantine (True) when what follows `end` carries a program or an archive, or is more
+    than a few padding bytes' worth; a small tail of padding or tags is noted only."""
+    size = findings["size"]
+    trailing = size - end
+    if trailing <= 0:
+        return False
+    with open(path, "rb") as handle:
+        handle.seek(end)
+        data = handle.read(min(trailing, TRAILING_SCAN_BYTES))
+    findings["trailing_bytes"] = trailing
+    kind = _payload_kind(data)
+    if kind:
+        quarantine(findings, "trailing_payload", f"{kind} follows {what} ({trailing} bytes after the end)")
+        return True
+    if len(data.strip(b"\x00\r\n\t ")) > TRAILING_ALLOWED_BYTES:
+        quarantine(findings, "trailing_payload", f"{trailing} bytes of other content follow {what}")
+        return True
+    if data.strip(b"\x00\r\n\t "):
+        findings["notes"].append(f"{trailing} bytes after {what} (ignored)")
+    return False
+
+
+def _payload_kind(data: bytes) -> str | None:
+    for signature, kind in PAYLOAD_SIGNATURES.items():
+        if signature in data:
+            return kind
+    stripped = data.lstrip(b"\x00\r\n\t ")
+    if stripped.startswith(b"#!"):
+        return "a script"
+    # A Windows program: "MZ" whose header points at a "PE\0\0" signature.
+    for match in re.finditer(rb"MZ", data):
+        start = match.start()
+        if start + 0x40 <= len(data):
+            pe = struct.unpack("<I", data[start + 0x3C:start + 0x40])[0]
+            if data[start + pe:start + pe + 4] == b"PE\x00\x00":
+                return "a Windows executable"
+    return None
 
 
 def inspect_audio(path: Path, findings: dict[str, Any]) -> None:
@@ -232,8 +359,20 @@ def inspect_audio(path: Path, findings: dict[str, Any]) -> None:
     if _wav_truncated(path, findings["size"]):
         quarantine(findings, "corrupt_file", "the WAV data chunk runs past the end of the file")
         return
+    riff_end = _riff_end(path)
+    if riff_end is not None and _trailing_payload(path, findings, riff_end, "the RIFF chunk's declared end"):
+        return
     findings["family"] = AUDIO
     findings["audio_minutes"] = round(length / 60.0, 3)
+
+
+def _riff_end(path: Path) -> int | None:
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+    if head[:4] != b"RIFF" or len(head) < 12:
+        return None
+    declared = struct.unpack("<I", head[4:8])[0]
+    return 8 + declared + (declared & 1)
 
 
 def _wav_truncated(path: Path, size: int) -> bool:

@@ -52,6 +52,33 @@ def test_hostile_files_are_quarantined_with_the_right_reason(tmp_path, content, 
     assert (result.verdict, result.reason) == ("quarantine", reason), result.findings
 
 
+@pytest.mark.parametrize("container,extension", [
+    (files.wav(), "wav"), (files.pdf(), "pdf"), (files.docx(), "docx"),
+], ids=["wav", "pdf", "docx"])
+@pytest.mark.parametrize("payload", [
+    files.elf_executable(), files.windows_executable(), files.docx(), b"#!/bin/sh\nrm -rf ~\n" + b"x" * 100,
+    bytes(range(256)) * 400,  # 100 kB of something that is no padding
+], ids=["elf", "pe", "zip", "script", "opaque"])
+def test_content_appended_after_a_container_is_quarantined_as_a_trailing_payload(tmp_path, container, extension, payload):
+    result = check(tmp_path, files.with_trailing(container, payload), extension)
+    assert (result.verdict, result.reason) == ("quarantine", "trailing_payload"), result.findings
+    assert result.findings["trailing_bytes"] == len(payload)
+
+
+@pytest.mark.parametrize("container,extension", [(files.wav(), "wav"), (files.pdf(), "pdf"), (files.docx(), "docx")],
+                         ids=["wav", "pdf", "docx"])
+def test_a_few_bytes_of_padding_after_a_container_pass(tmp_path, container, extension):
+    result = check(tmp_path, files.with_trailing(container, b"\r\n" + b"\x00" * 500), extension)
+    assert result.verdict == "pass", result.findings
+
+
+def test_a_wav_carrying_a_program_never_reaches_the_vendor(vendor, api):
+    task = route(submit_file(api, files.with_trailing(files.wav(), files.windows_executable()), name="memo.wav"))
+    assert task.state == "FAILED" and task.error_code == "quarantined"
+    assert Quarantine.objects.get().reason == "trailing_payload"
+    assert not VendorJob.objects.exists() and vendor.control.journal() == []
+
+
 def test_a_zip_whose_headers_understate_its_size_is_caught(tmp_path):
     result = check(tmp_path, files.zip_bomb_lying_headers(64), "docx")
     assert result.verdict == "quarantine" and result.reason in ("zip_bomb", "corrupt_file")
