@@ -115,12 +115,17 @@ def a_task_in_phase(phase: str) -> Callable:
     return ready
 
 
-def cancel_running(*, content: str) -> Callable:
-    """Business users cancel their tasks of this content while they run at the vendor."""
+def cancel_running(*, content: str, phase: str = Task.Phase.POLL, limit: int | None = None) -> Callable:
+    """Business users cancel their tasks of this content while they are in `phase` (at most
+    `limit` of them by this action)."""
 
     def act(ctx) -> None:
+        done = ctx.notes.setdefault(f"_cancelled_in_{phase}_{content}", set())
         targets = [a.id for a in ctx.accepted if a.spec.content == content and a.id not in ctx.cancels]
-        for task in Task.objects.filter(pk__in=targets, state=State.RUNNING, phase=Task.Phase.POLL):
+        for task in Task.objects.filter(pk__in=targets, state=State.RUNNING, phase=phase):
+            if limit is not None and len(done) >= limit:
+                return
+            done.add(str(task.pk))
             ctx.cancel(str(task.pk))
 
     return act

@@ -206,15 +206,19 @@ SCENARIOS += [
             {"id": "slow-link", "endpoint": "POST /v1/uploads", "type": "bandwidth", "params": {"bytes_per_s": 400_000}},
             {"id": "slow-poll", "endpoint": "GET /v1/jobs/*", "type": "delay", "params": {"ms": 40_000}, "times": 6},
             {"id": "slow-result", "endpoint": "GET /v1/jobs/*/result", "type": "dribble",
-             "params": {"chunks": 5, "total_ms": 30_000}, "times": 1},
+             "params": {"chunks": 5, "total_ms": 14_000}},  # within the 20 s execution timeout
         ],
         vendor_channels={"primary": {"processing_ms": 2000, "cancel_delay_ms": 3000}},
         channels={"primary": {**ROOMY, "upload_bandwidth_bytes_s": 300_000, "status_timeout_s": 60, "result_timeout_s": 120},
                   "fallback": {"enabled": False}},
         lanes={"interactive": {"execution_timeout_s": 20}},
         actions=[
-            Action("cancel the recordings while the vendor works on them", do=actions.cancel_running(content="wav"),
-                   repeat=True, at_s=0),
+            Action("cancel two recordings while the vendor works on them",
+                   do=actions.cancel_running(content="wav", limit=2), repeat=True, at_s=0),
+            # The others are cancelled while their result dribbles in: the download ends after
+            # the cancel, and its result must be refused.
+            Action("cancel the other recordings while their result downloads",
+                   do=actions.cancel_running(content="wav", phase="fetch"), repeat=True, at_s=0),
             Action("SIGKILL a worker in the middle of an upload",
                    do=actions.kill_worker_during("upload", note="killed_mid_upload"), when=actions.a_task_in_phase("upload")),
             Action("SIGKILL a worker in the middle of a poll",
