@@ -17,9 +17,10 @@ from django.utils.html import format_html
 
 from console.admin_site import site
 from console.auditing import Audited
+from console.bulk import ErrorCodeNone
 from console.models import BulkOperation, PocRun
 from console.roles import role_of
-from tasks import selectors
+from tasks import selectors, wording
 from tasks.models import (
     AuditEntry,
     DeadLetter,
@@ -36,8 +37,9 @@ from tasks.models import (
     VendorChannel,
     VendorJob,
 )
-from tasks.scheduling.waiting import waiting_reason
+from tasks.scheduling.waiting import waiting_reason, waiting_reasons
 from tasks.services.operations import TASK_ACTIONS
+from tasks.states import WAITING_REASONS, State
 
 CONFIGURE = "tasks.configure"
 
@@ -90,10 +92,93 @@ class ErrorCodeFilter(admin.SimpleListFilter):
 
     def lookups(self, request, model_admin):
         codes = Task.objects.exclude(error_code="").order_by().values_list("error_code", flat=True).distinct()[:50]
-        return [(c, c) for c in codes]
+        return [(c, c) for c in codes] + [(ErrorCodeNone, "none")]
 
     def queryset(self, request, queryset):
-        return queryset.filter(error_code=self.value()) if self.value() else queryset
+        if not self.value():
+            return queryset
+        return queryset.filter(error_code="" if self.value() == ErrorCodeNone else self.value())
+
+
+class WaitingFilter(admin.SimpleListFilter):
+    """Tasks by why they wait: stored for RETRY_WAIT and RECONCILING, derived for queued work (the
+    same reasons the task page and the API show)."""
+
+    title = "waiting because"
+    parameter_name = "waiting"
+    DERIVED_SCAN = 5000  # queued tasks examined for a derived reason
+
+    def lookups(self, request, model_admin):
+        return [(code, code) for code in WAITING_REASONS]
+
+    def queryset(self, request, queryset):
+        code = self.value()
+        if not code:
+            return queryset
+        if code not in WAITING_REASONS:
+            from console.inputs import BadInput
+
+            raise BadInput(f"waiting={code} is not a waiting reason; pick one from the filter.")
+        stored = Q(state__in=[State.RETRY_WAIT, State.RECONCILING], waiting_reason=code)
+        if code == "retry_backoff":
+            stored |= Q(state=State.RETRY_WAIT, waiting_reason="")
+        if code == "reconciling":
+            stored |= Q(state=State.RECONCILING, waiting_reason="")
+        stored |= Q(state=State.RUNNING, phase=Task.Phase.FETCH, waiting_reason=code, fetch_attempts__gt=0)
+        if code == "precheck":
+            stored |= Q(state=State.ACCEPTED, deferred=False)
+        if code == "lane_full":
+            stored |= Q(state=State.ACCEPTED, deferred=True)
+        queued = queryset.filter(state=State.QUEUED, dispatched_at__isnull=True).select_related("lane", "tenant")
+        derived = [pk for pk, reason in waiting_reasons(queued[:self.DERIVED_SCAN]).items() if reason == code]
+        return queryset.filter(stored | Q(pk__in=derived))
+
+
+class IdsFilter(admin.ListFilter):
+    """?ids=<uuid>,<uuid>…: exactly these tasks (links from billing, bulk selections)."""
+
+    title = "chosen tasks"
+    parameter_name = "ids"
+    template = "console/filters/chosen.html"
+
+    def __init__(self, request, params, model, model_admin):
+        super().__init__(request, params, model, model_admin)
+        value = params.pop(self.parameter_name, None)
+        self.value = (value[-1] if isinstance(value, list) else value) or ""
+
+    def has_output(self):
+        return True  # Django applies only filters with output; the template shows a clear link when set
+
+    def expected_parameters(self):
+        return [self.parameter_name]
+
+    def queryset(self, request, queryset):
+        from console.inputs import uuid_list
+
+        return queryset.filter(pk__in=uuid_list("ids", self.value)) if self.value else queryset
+
+    def choices(self, changelist):
+        return []
+
+
+class HeldByFilter(admin.SimpleListFilter):
+    """The work an outage of one channel holds: tasks of that channel waiting (queued, retrying,
+    reconciling) and queued tasks that wait because every channel able to take them is open."""
+
+    title = "held by channel"
+    parameter_name = "held_by"
+
+    def lookups(self, request, model_admin):
+        return [(c, c) for c in VendorChannel.objects.order_by("preference", "name").values_list("name", flat=True)]
+
+    def queryset(self, request, queryset):
+        name = self.value()
+        if not name:
+            return queryset
+        waiting = queryset.filter(state__in=[State.QUEUED, State.RETRY_WAIT, State.RECONCILING]).exclude(dispatched_at__isnull=False, state=State.QUEUED)
+        queued = waiting.filter(state=State.QUEUED, channel__isnull=True).select_related("lane", "tenant")
+        blocked = [pk for pk, reason in waiting_reasons(queued[:WaitingFilter.DERIVED_SCAN]).items() if reason == "breaker_open"]
+        return waiting.filter(Q(channel_id=name) | Q(pk__in=blocked))
 
 
 class CreatedRangeFilter(admin.ListFilter):
@@ -132,18 +217,20 @@ class CreatedRangeFilter(admin.ListFilter):
 
 @admin.register(Task, site=site)
 class TaskAdmin(ReadOnly):
-    list_display = ("short_id", "tenant", "state_badge", "lane", "kind", "priority", "channel", "attempts",
-                    "error_code", "created_at")
+    list_display = ("short_id", "tenant", "state_badge", "waiting", "lane", "kind", "channel", "attempts",
+                    "error", "created")
     list_display_links = None  # the id column is the link
-    list_filter = ("state", "lane", "kind", "priority", ("tenant", admin.RelatedOnlyFieldListFilter), ErrorCodeFilter,
-                   ("channel", admin.RelatedOnlyFieldListFilter), CreatedRangeFilter)
+    list_filter = (IdsFilter, "state", WaitingFilter, HeldByFilter, "lane", "kind", "priority", ("tenant", admin.RelatedOnlyFieldListFilter),
+                   ErrorCodeFilter, ("channel", admin.RelatedOnlyFieldListFilter), CreatedRangeFilter)
+    ordering = ("-created_at", "-id")  # newest first
     search_fields = ("vendor_client_ref",)
-    search_help_text = "Task id, vendor job id, client ref, or an Idempotency-Key (ours or the vendor's)."
+    search_help_text = ("Task id, vendor job id, client ref, an Idempotency-Key (ours or the vendor's), tenant name, "
+                        "file name, or text in the parameters.")
     list_select_related = ("tenant", "lane", "channel")
     date_hierarchy = "created_at"
     change_list_template = "console/task_change_list.html"
     show_full_result_count = True
-    actions = ["bulk_retry_now", "bulk_cancel", "bulk_replay"]
+    actions = ["bulk_retry_now", "bulk_move_channel", "bulk_cancel", "bulk_replay"]
 
     @admin.display(description="id", ordering="id")
     def short_id(self, obj: Task):
@@ -153,12 +240,40 @@ class TaskAdmin(ReadOnly):
     def state_badge(self, obj: Task):
         return format_html('<span class="sluice-state sluice-{}">{}</span>', obj.state.lower(), obj.state)
 
+    @admin.display(description="waiting because")
+    def waiting(self, obj: Task):
+        code = obj.sluice_waiting if hasattr(obj, "sluice_waiting") else waiting_reason(obj)
+        if not code:
+            return ""
+        return format_html('<span class="sluice-waiting-code" title="{}">{}</span>', wording.waiting_words(code), code)
+
+    @admin.display(description="error", ordering="error_code")
+    def error(self, obj: Task):
+        if not obj.error_code:
+            return ""
+        return format_html('<span title="{}">{}</span>', wording.error_words(obj.error_code), obj.error_code)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: Task):
+        from tasks.templatetags.sluice import when
+
+        return when(obj.created_at)
+
+    def get_changelist_instance(self, request):
+        changelist = super().get_changelist_instance(request)
+        # The page's reasons in one pass (what they share is read once, not once per row).
+        reasons = waiting_reasons(changelist.result_list)
+        for task in changelist.result_list:
+            task.sluice_waiting = reasons[task.pk]
+        return changelist
+
     def get_search_results(self, request, queryset, search_term):
         term = search_term.strip()
         if not term:
             return queryset, False
         query = Q(vendor_client_ref__icontains=term) | Q(idempotency_key=term) | Q(vendor_idempotency_key=term)
-        query |= Q(vendor_jobs__vendor_job_id=term)
+        query |= Q(vendor_jobs__vendor_job_id=term) | Q(tenant__name__iexact=term) | Q(file__label__icontains=term)
+        query |= Q(params__icontains=term)
         try:
             query |= Q(pk=uuid.UUID(term))
         except ValueError:
@@ -177,17 +292,20 @@ class TaskAdmin(ReadOnly):
         return actions
 
     def _to_preview(self, request, queryset, action: str):
+        # The preview's URL carries the selection: the filter shown (all pages) or the ids ticked.
         if request.POST.get("select_across") == "1":
-            params = {k: v for k, v in request.GET.lists()}
-            params = {k: (v if len(v) > 1 else v[0]) for k, v in params.items()}
+            query = request.GET.urlencode()
         else:
-            params = {"ids": [str(pk) for pk in queryset.values_list("pk", flat=True)]}
-        request.session["bulk_filter"] = params
-        return HttpResponseRedirect(reverse("admin:bulk_preview", args=[action]))
+            query = "ids=" + ",".join(str(pk) for pk in queryset.values_list("pk", flat=True))
+        return HttpResponseRedirect(reverse("admin:bulk_preview", args=[action]) + "?" + query)
 
     @admin.action(description="Retry now… (preview first)")
     def bulk_retry_now(self, request, queryset):
         return self._to_preview(request, queryset, "retry_now")
+
+    @admin.action(description="Move to another channel… (preview first)")
+    def bulk_move_channel(self, request, queryset):
+        return self._to_preview(request, queryset, "move_channel")
 
     @admin.action(description="Cancel… (preview first)")
     def bulk_cancel(self, request, queryset):
@@ -253,9 +371,14 @@ class QuarantineAdmin(ReadOnly):
         return request.user.has_perm("tasks.manage_quarantine")
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
+        entry = Quarantine.objects.filter(pk=object_id).first() if str(object_id).isdigit() else None
+        held = Task.objects.filter(tenant_id=entry.tenant_id, file__sha256=entry.sha256).order_by("-created_at") if entry else []
         extra_context = {**(extra_context or {}),
                          "can_act": request.user.has_perm("tasks.manage_quarantine"),
-                         "can_open": request.user.has_perm("tasks.open_quarantined_file")}
+                         "can_open": request.user.has_perm("tasks.open_quarantined_file"),
+                         "held_tasks": list(held[:50]) if entry else [],
+                         "replayable": held.filter(state=State.FAILED, error_code="quarantined").count() if entry else 0,
+                         "params_typed": request.session.pop("quarantine_params_typed", "")}
         return super().change_view(request, object_id, form_url, extra_context)
 
 
@@ -286,8 +409,8 @@ class DeadLetterAdmin(ReadOnly):
         return actions
 
     def _preview(self, request, queryset, action):
-        request.session["bulk_filter"] = {"ids": [str(t) for t in queryset.values_list("task_id", flat=True)]}
-        return HttpResponseRedirect(reverse("admin:bulk_preview", args=[action]))
+        ids = ",".join(str(t) for t in queryset.values_list("task_id", flat=True))
+        return HttpResponseRedirect(reverse("admin:bulk_preview", args=[action]) + "?ids=" + ids)
 
     @admin.action(description="Replay… (preview first)")
     def replay(self, request, queryset):

@@ -10,6 +10,7 @@ from typing import Any
 from django.contrib.admin.views.main import ChangeList
 from django.db.models import Avg, Count, Q, QuerySet
 from django.http import HttpRequest, QueryDict
+from django.urls import reverse
 from django.utils import timezone
 
 from console.inputs import uuid_list
@@ -24,6 +25,7 @@ BATCH = 50
 THROTTLE_S = 0.2
 # Actions that make the vendor work again (their preview estimates the cost).
 COSTLY = {"retry_now", "replay"}
+QUARANTINED = "its file is quarantined: release it (with a replay) from its quarantine entry"
 
 
 def tasks_matching(filter_params: dict[str, Any], user) -> QuerySet[Task]:
@@ -47,9 +49,74 @@ def tasks_matching(filter_params: dict[str, Any], user) -> QuerySet[Task]:
     return changelist.get_queryset(request)
 
 
-def skip_reasons(action: str, queryset: QuerySet[Task]) -> tuple[QuerySet[Task], Counter]:
+# Filter parameters and how a person says them; anything else is named as "param=value".
+_WORDS = {
+    "state__exact": "in state {}", "lane__name__exact": "in lane {}", "kind__exact": "of kind {}",
+    "priority__exact": "of priority {}", "error_code": "failed with {}", "channel__name__exact": "on channel {}",
+    "channel__isnull": "with no channel", "waiting": "waiting because {}", "q": "matching “{}”",
+    "held_by": "held by channel {}",
+    "created_from": "created from {}", "created_to": "created until {}",
+}
+
+
+def describe(filter_params: dict[str, Any]) -> str:
+    """The selection in words, as the preview states it: "FAILED tasks of tenant beta, on
+    channel primary, failed with engine_error" or "3 chosen tasks"."""
+    from tasks.models import Tenant
+    from tasks.states import WAITING_REASONS
+
+    if "ids" in filter_params:
+        ids = filter_params["ids"]
+        n = len(ids) if isinstance(ids, list) else len([i for i in str(ids).split(",") if i.strip()])
+        return f"{n} chosen task{'s' if n != 1 else ''}"
+    parts = []
+    for key, value in sorted(filter_params.items()):
+        value = ", ".join(value) if isinstance(value, list) else str(value)
+        if key in ("p", "o", "e", "_changelist_filters"):
+            continue
+        if key in ("tenant__id__exact", "tenant__pk__exact"):
+            tenant = Tenant.objects.filter(pk=value).first() if value.isdigit() or len(value) > 8 else None
+            parts.append(f"of tenant {tenant.name if tenant else value}")
+        elif key == "error_code" and value == ErrorCodeNone:
+            parts.append("failed without an error code")
+        elif key == "channel__isnull":
+            parts.append("with no channel" if value.lower() in ("true", "1") else "with a channel")
+        elif key == "waiting":
+            parts.append(f"waiting because {WAITING_REASONS.get(value, value)}")
+        elif key in _WORDS:
+            parts.append(_WORDS[key].format(value))
+        else:
+            parts.append(f"{key}={value}")
+    return "tasks " + ", ".join(parts) if parts else "every task"
+
+
+ErrorCodeNone = "(none)"
+
+
+def skip_reasons(action: str, queryset: QuerySet[Task], params: dict | None = None) -> tuple[QuerySet[Task], Counter]:
     """Which matching tasks the action would act on, and why the others would be skipped."""
     reasons: Counter = Counter()
+    params = params or {}
+    if action == "move_channel":
+        from tasks.models import VendorChannel
+        from tasks.scheduling.channels import serves
+
+        target = VendorChannel.objects.filter(pk=params.get("to", ""), enabled=True).first()
+        if target is None:
+            reasons["choose an enabled channel to move them to"] += queryset.count()
+            return queryset.none(), reasons
+        movable = queryset.filter(state=State.QUEUED, dispatched_at__isnull=True)
+        for state, n in queryset.exclude(pk__in=movable).order_by().values_list("state").annotate(n=Count("id")):
+            reasons[f"only queued tasks not yet dispatched move ({state})"] += n
+        kinds = [k for k in movable.order_by().values_list("kind", flat=True).distinct() if serves(target, k)]
+        for kind, n in movable.exclude(kind__in=kinds).order_by().values_list("kind").annotate(n=Count("id")):
+            reasons[f"channel {target.name} does not do {kind}"] += n
+        eligible = movable.filter(kind__in=kinds)
+        already = eligible.filter(channel_id=target.name)
+        already_n = already.count()
+        if already_n:
+            reasons[f"already on {target.name}"] += already_n
+        return eligible.exclude(pk__in=already), reasons
     if action == "retry_now":
         eligible = queryset.filter(state__in=[State.RETRY_WAIT, State.RECONCILING])
         for state, n in queryset.exclude(pk__in=eligible).order_by().values_list("state").annotate(n=Count("id")):
@@ -67,7 +134,7 @@ def skip_reasons(action: str, queryset: QuerySet[Task]) -> tuple[QuerySet[Task],
         eligible = candidates.exclude(blocked) if quarantined.exists() else candidates
         held = candidates.count() - eligible.count()
         if held:
-            reasons["its file is quarantined (release it from the quarantine page)"] += held
+            reasons[QUARANTINED] += held
         for state, n in queryset.exclude(state__in=[State.FAILED, State.EXPIRED]).order_by().values_list("state").annotate(n=Count("id")):
             reasons[f"it is {state}, not FAILED or EXPIRED"] += n
         purged = queryset.filter(state__in=[State.FAILED, State.EXPIRED], file__deleted_at__isnull=False).count()
@@ -83,8 +150,8 @@ def skip_reasons(action: str, queryset: QuerySet[Task]) -> tuple[QuerySet[Task],
     return eligible, reasons
 
 
-def preview(action: str, queryset: QuerySet[Task]) -> dict[str, Any]:
-    eligible, reasons = skip_reasons(action, queryset)
+def preview(action: str, queryset: QuerySet[Task], params: dict | None = None) -> dict[str, Any]:
+    eligible, reasons = skip_reasons(action, queryset, params)
     tenants = list(eligible.order_by().values_list("tenant__name").annotate(n=Count("id")).order_by("-n")[:10])
     count = eligible.count()
     cost = None
@@ -94,8 +161,20 @@ def preview(action: str, queryset: QuerySet[Task]) -> dict[str, Any]:
         avg_units = LedgerEntry.objects.filter(units__gt=0).aggregate(a=Avg("units"))["a"]
         cents_per_unit = (per_unit / avg_units) if per_unit and avg_units else 1.0
         cost = round(units * cents_per_unit / 100, 2)
+    links = {}
+    if reasons.get(QUARANTINED):
+        entries = held_entries(queryset)
+        links[QUARANTINED] = (reverse("admin:tasks_quarantine_change", args=[entries[0]]) if len(entries) == 1
+                              else reverse("admin:tasks_quarantine_changelist") + "?status=held")
     return {"matching": queryset.count(), "count": count, "tenants": tenants, "skipped": dict(reasons),
-            "estimated_cost": cost, "confirmation": confirmation_for(count)}
+            "skipped_rows": [(reason, n, links.get(reason)) for reason, n in reasons.items()], "estimated_cost": cost, "confirmation": confirmation_for(count)}
+
+
+def held_entries(queryset: QuerySet[Task]) -> list[int]:
+    """The open quarantine entries holding these tasks' files."""
+    pairs = set(queryset.values_list("tenant_id", "file__sha256"))
+    entries = Quarantine.objects.filter(released_at__isnull=True, purged_at__isnull=True)
+    return [pk for pk, tenant_id, sha in entries.values_list("pk", "tenant_id", "sha256") if (tenant_id, sha) in pairs]
 
 
 def confirmation_for(count: int) -> str:
@@ -109,7 +188,7 @@ def confirmation_for(count: int) -> str:
 
 def start(*, action: str, filter_params: dict[str, Any], user, params: dict | None = None) -> BulkOperation:
     queryset = tasks_matching(filter_params, user)
-    eligible, reasons = skip_reasons(action, queryset)
+    eligible, reasons = skip_reasons(action, queryset, params)
     op = BulkOperation.objects.create(
         action=action, filter=filter_params, params=params or {}, total=queryset.count(),
         skipped=sum(reasons.values()), skipped_reasons=dict(reasons), status=BulkOperation.Status.RUNNING,
@@ -132,7 +211,7 @@ def run_bulk(operation_id: int) -> str:
         BulkOperation.objects.filter(pk=op.pk).update(status=BulkOperation.Status.FAILED, error="permission denied",
                                                       finished_at=timezone.now())
         return "denied"
-    eligible, _ = skip_reasons(op.action, tasks_matching(op.filter, user))
+    eligible, _ = skip_reasons(op.action, tasks_matching(op.filter, user), op.params)
     ids = list(eligible.values_list("pk", flat=True))
     reasons = Counter(op.skipped_reasons)
     done = 0
@@ -141,7 +220,7 @@ def run_bulk(operation_id: int) -> str:
         if BulkOperation.objects.filter(pk=op.pk, status=BulkOperation.Status.CANCELLING).exists():
             break
         for task in Task.objects.filter(pk__in=ids[start_index:start_index + BATCH]).select_related("file"):
-            outcome = function(task, f"{op.created_by} (bulk #{op.pk})")
+            outcome = function(task, f"{op.created_by} (bulk #{op.pk})", **(op.params or {}))
             if outcome.done:
                 done += 1
             else:

@@ -110,6 +110,14 @@ class ChannelStats:
     failures_15m: int
     latency_p50_ms: float | None
     latency_p95_ms: float | None
+    held: int = 0  # tasks of this channel waiting (queued, retrying, reconciling)
+
+    @property
+    def failing(self) -> bool:
+        return self.channel.enabled and self.health.breaker_state in ("OPEN", "HALF_OPEN", "FORCED_OPEN")
+
+
+HELD_STATES = ("QUEUED", "RETRY_WAIT", "RECONCILING")
 
 
 def channel_stats(now=None) -> list[ChannelStats]:
@@ -127,6 +135,8 @@ def channel_stats(now=None) -> list[ChannelStats]:
             rate_limited_15m=recent.filter(status_code=429).count(), calls_15m=recent.count(),
             failures_15m=recent.filter(breaker_failure=True).count(),
             latency_p50_ms=_percentile(durations, 0.5), latency_p95_ms=_percentile(durations, 0.95),
+            held=Task.objects.filter(channel=channel, state__in=HELD_STATES).exclude(
+                state="QUEUED", dispatched_at__isnull=False).count(),
         ))
     return result
 
@@ -212,9 +222,11 @@ def bars(pairs: list[tuple[str, int]], *, width: int = 380, row: int = 18) -> Sa
 def dashboard_context() -> dict[str, Any]:
     lanes = lane_stats()
     states = state_counts()
+    channels = channel_stats()
     return {
         "lanes": lanes,
-        "channels": channel_stats(),
+        "channels": channels,
+        "outages": [c for c in channels if c.failing],
         "tenants": tenant_stats(),
         "states_chart": bars([(s, n) for s, n in states.items()]),
         "lanes_chart": bars([(f"{l.lane.name} queued", l.queued) for l in lanes] + [(f"{l.lane.name} running", l.running) for l in lanes]),

@@ -32,7 +32,7 @@ from console.models import BulkOperation, PocRun
 from tasks import safejson
 from tasks.models import DuplicateIncident, LedgerEntry, Quarantine, Task, VendorChannel, VendorJob
 from tasks.services.audit import audit
-from tasks.services.operations import CONFIRMATIONS, TASK_ACTIONS
+from tasks.services.operations import ACTION_PARAMS, CONFIRMATIONS, TASK_ACTIONS
 from tasks.states import State
 
 
@@ -64,6 +64,16 @@ def refused(request: HttpRequest, action: str, message: str, *, target_type: str
           skipped=1, detail={"reason": message, "outcome": "refused"})
 
 
+def _list_url(filter_params: dict[str, Any]) -> str:
+    """The task list showing this selection (for "back" links)."""
+    from django.http import QueryDict
+
+    query = QueryDict(mutable=True)
+    for key, value in filter_params.items():
+        query.setlist(key, value if isinstance(value, list) else [value])
+    return reverse("admin:tasks_task_changelist") + (f"?{query.urlencode()}" if query else "")
+
+
 def render(request: HttpRequest, site, template: str, title: str, **context: Any) -> TemplateResponse:
     return TemplateResponse(request, template, {**site.each_context(request), "title": title, **context})
 
@@ -84,14 +94,16 @@ def build(site) -> list:
         permission = TASK_ACTIONS[action][0]
         if not request.user.has_perm(permission):
             raise PermissionDenied(f"your role may not do this ({permission})")
-        filter_params = request.session.get("bulk_filter")
-        if filter_params is None and request.GET:
-            filter_params = {k: (v if len(v) > 1 else v[0]) for k, v in request.GET.lists()}
-        if filter_params is None:
+        # The selection is exactly what this URL says (a filter, or ids): never a value kept from
+        # an earlier page, so a second filter can not inherit the first one's tasks.
+        filter_params = {k: (v if len(v) > 1 else v[0]) for k, v in request.GET.lists()
+                         if k not in ("p", "o", *ACTION_PARAMS.values())}
+        params = {ACTION_PARAMS[action]: request.GET.get(ACTION_PARAMS[action], "")[:64]} if action in ACTION_PARAMS else {}
+        if not filter_params:
             messages.error(request, "Choose tasks first: filter the task list, then pick a bulk action.")
             return HttpResponseRedirect(reverse("admin:tasks_task_changelist"))
         queryset = bulk.tasks_matching(filter_params, request.user)
-        summary = bulk.preview(action, queryset)
+        summary = bulk.preview(action, queryset, params)
         if request.method == "POST":
             confirmation = summary["confirmation"]
             typed = request.POST.get("typed_count", "").strip()
@@ -102,15 +114,18 @@ def build(site) -> list:
             elif summary["count"] == 0:
                 messages.warning(request, "Nothing to do: every matching task would be skipped.")
             else:
-                op = bulk.start(action=action, filter_params=filter_params, user=request.user)
-                request.session.pop("bulk_filter", None)
+                op = bulk.start(action=action, filter_params=filter_params, user=request.user, params=params)
                 return HttpResponseRedirect(reverse("admin:bulk_progress", args=[op.pk]))
         return render(request, site, "console/bulk_preview.html", f"{TASK_ACTIONS[action][2]}: preview",
-                      action=action, label=TASK_ACTIONS[action][2], summary=summary, filter_params=filter_params)
+                      action=action, label=TASK_ACTIONS[action][2], summary=summary, filter_params=filter_params,
+                      selection=bulk.describe(filter_params), back=_list_url(filter_params), params=params,
+                      channels=VendorChannel.objects.filter(enabled=True).order_by("preference", "name")
+                      if action == "move_channel" else [],
+                      hidden=[(k, v) for k, values in filter_params.items() for v in (values if isinstance(values, list) else [values])])
 
     def bulk_progress(request, op_id):
         op = get_object_or_404(BulkOperation, pk=op_id)
-        return render(request, site, "console/bulk_progress.html", f"Bulk operation #{op.pk}", op=op,
+        return render(request, site, "console/bulk_progress.html", f"Bulk operation #{op.pk}", op=op, selection=bulk.describe(op.filter),
                       can_cancel=request.user.has_perm(TASK_ACTIONS[op.action][0]))
 
     def bulk_status(request, op_id):
@@ -141,9 +156,11 @@ def build(site) -> list:
             audit(actor=request.user.get_username(), action=f"task_{action}", target_type="task", target_id=str(task.pk),
                   skipped=1, detail={"reason": "not confirmed"})
             return HttpResponseRedirect(reverse("admin:tasks_task_change", args=[task.pk]))
-        outcome = function(task, request.user.get_username())
+        params = {ACTION_PARAMS[action]: request.POST.get(ACTION_PARAMS[action], "")[:64]} if action in ACTION_PARAMS else {}
+        outcome = function(task, request.user.get_username(), **params)
         audit(actor=request.user.get_username(), action=f"task_{action}", target_type="task", target_id=str(task.pk),
-              done=int(outcome.done), skipped=int(not outcome.done), detail={"reason": outcome.reason} if outcome.reason else {})
+              done=int(outcome.done), skipped=int(not outcome.done),
+              detail={**params, **({"reason": outcome.reason} if outcome.reason else {})})
         if outcome.done:
             messages.success(request, f"{label}: done.")
         else:
@@ -166,6 +183,7 @@ def build(site) -> list:
                     params = safejson.loads(raw)
                     assert isinstance(params, dict)
                 except (ValueError, AssertionError):
+                    request.session["quarantine_params_typed"] = raw[:4096]  # shown again, not lost
                     refused(request, "quarantine_release", "Override parameters must be a JSON object, e.g. {\"language\": \"de\"}.",
                             target_type="quarantine", target_id=entry.pk)
                     return HttpResponseRedirect(reverse("admin:tasks_quarantine_change", args=[entry.pk]))
@@ -249,6 +267,7 @@ def build(site) -> list:
             elif job is not None and job.status in ("failed", "canceled"):
                 row["billed_failed"] += 1
                 row["billed_failed_cents"] += entry.amount_cents
+                row.setdefault("billed_failed_ids", []).append(str(job.task_id))
         for incident in DuplicateIncident.objects.filter(created_at__gte=since).select_related("task__tenant"):
             row = rows[(incident.created_at.date().isoformat(), incident.task.tenant.name)]
             row["billed_twice"] += len(incident.duplicate_job_ids)

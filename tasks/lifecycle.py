@@ -96,12 +96,14 @@ def transition(
     return Moved(generation=generation + 1)
 
 
-def task_update(task_id: Any, *, state: State | str, generation: int, **fields: Any) -> bool:
-    """Write non-state columns only if the task is still at (state, generation)."""
+def task_update(task_id: Any, *, state: State | str, generation: int, expect: dict[str, Any] | None = None,
+                **fields: Any) -> bool:
+    """Write non-state columns only if the task is still at (state, generation) and, with
+    `expect`, those columns still hold what the caller read."""
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     fields["updated_at"] = timezone.now()
-    return bool(Task.objects.filter(pk=task_id, state=state, generation=generation).update(**fields))
+    return bool(Task.objects.filter(pk=task_id, state=state, generation=generation, **(expect or {})).update(**fields))
 
 
 def record_event(task_id: Any, *, generation: int, actor: str, reason: str, data: dict | None = None) -> None:

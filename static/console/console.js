@@ -42,6 +42,12 @@
         .catch(function () {});
     }, 1000);
   }
+  // Irreversible actions ask first, saying what will happen (the button's data-confirm).
+  document.addEventListener("submit", function (event) {
+    var button = event.submitter || event.target.querySelector("[data-confirm]");
+    var message = button && button.getAttribute("data-confirm");
+    if (message && !window.confirm(message)) event.preventDefault();
+  }, true);
   var run = document.querySelector("[data-reload]");
   if (run) setTimeout(function () { window.location.reload(); }, 1000 * parseInt(run.getAttribute("data-reload"), 10));
 })();

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from tasks.errors import SluiceError
-from tasks.lifecycle import task_update
+from tasks.lifecycle import record_event, task_update
 from tasks.models import ChannelHealth, DeadLetter, Lane, Task, VendorChannel
+from tasks.scheduling.channels import serves
 from tasks.services.audit import audit
 from tasks.services.cancel import task_cancel
 from tasks.services.dispatch import dispatch_soon
@@ -76,7 +77,31 @@ def mark_not_created(task: Task, actor: str) -> Outcome:
     return Outcome(done, "" if done else "it moved on meanwhile")
 
 
-TASK_ACTIONS: dict[str, tuple[str, Callable[[Task, str], Outcome], str]] = {
+def move_channel(task: Task, actor: str, *, to: str = "") -> Outcome:
+    """Send a queued task to another channel (an operator routing around an outage). Only a task
+    not yet dispatched moves: it holds no vendor operation that could be processed, so moving it
+    can not bill twice."""
+    channel = VendorChannel.objects.filter(pk=to).first()
+    if channel is None or not channel.enabled:
+        return Outcome(False, f"there is no enabled channel {to!r}")
+    if task.state != State.QUEUED or task.dispatched_at is not None:
+        return Outcome(False, f"only queued tasks not yet dispatched move ({task.state})")
+    if not serves(channel, task.kind):
+        return Outcome(False, f"channel {channel.name} does not do {task.kind}")
+    if task.channel_id == channel.name:
+        return Outcome(False, f"already on {channel.name}")
+    abandoned = [c for c in (task.abandoned_channels or []) if c != channel.name]
+    if not task_update(task.pk, state=State.QUEUED, generation=task.generation,
+                       expect={"dispatched_at__isnull": True, "channel_id": task.channel_id},
+                       channel_id=channel.name, abandoned_channels=abandoned):
+        return Outcome(False, "it moved on meanwhile")
+    record_event(task.pk, generation=task.generation, actor=actor,
+                 reason=f"moved from channel {task.channel_id or '—'} to {channel.name} by {actor}")
+    dispatch_soon(task.lane_id)
+    return Outcome(True)
+
+
+TASK_ACTIONS: dict[str, tuple[str, Callable[..., Outcome], str]] = {
     # name: (permission, function, label)
     "retry_now": ("tasks.operate_tasks", retry_now, "Retry now"),
     "cancel": ("tasks.operate_tasks", cancel, "Cancel"),
@@ -85,7 +110,10 @@ TASK_ACTIONS: dict[str, tuple[str, Callable[[Task, str], Outcome], str]] = {
     "resend_accept_duplicate": ("tasks.operate_tasks", resend_accepting_duplicate,
                                 "Resend (I accept a possible duplicate)"),
     "mark_not_created": ("tasks.operate_tasks", mark_not_created, "Mark as not created, then resend"),
+    "move_channel": ("tasks.operate_tasks", move_channel, "Move to another channel"),
 }
+# Actions that take a parameter, and its name (the console asks for it).
+ACTION_PARAMS = {"move_channel": "to"}
 # Actions that need the operator to confirm what they assert, in these words.
 CONFIRMATIONS = {
     "resend_accept_duplicate": "I accept that the vendor may bill this task twice.",
@@ -103,6 +131,8 @@ def applicable(action: str, task: Task) -> bool:
         return task.state in (State.FAILED, State.EXPIRED)
     if action == "discard":
         return DeadLetter.objects.filter(task=task, resolved_at__isnull=True).exists()
+    if action == "move_channel":
+        return task.state == State.QUEUED and task.dispatched_at is None
     if action in ("resend_accept_duplicate", "mark_not_created"):
         return task.state == State.RECONCILING and task.waiting_reason == "needs_operator"
     return False

@@ -43,6 +43,15 @@ def screenshot(page, name: str) -> Path:
     return path
 
 
+def screenshots(page, name: str) -> None:
+    """The page at a laptop's width (1280 px) and a phone's (390 px), then back."""
+    size = page.viewport_size
+    for width, height in ((1280, 900), (390, 844)):
+        page.set_viewport_size({"width": width, "height": height})
+        screenshot(page, f"{name}-{width}")
+    page.set_viewport_size(size)
+
+
 @pytest.fixture
 def login(page, live_server):
     def as_user(username: str, password: str, *, console: bool = True):
