@@ -36,7 +36,7 @@ def file_get(*, tenant: Tenant, file_id: Any) -> FileVersion:
 
 
 def task_list(*, tenant: Tenant, state: str | None = None, limit: int = 50, cursor: str | None = None) -> tuple[list[Task], str | None]:
-    queryset: QuerySet[Task] = Task.objects.select_related("lane", "tenant").filter(tenant=tenant)
+    queryset: QuerySet[Task] = Task.objects.select_related("lane", "tenant", "file").filter(tenant=tenant)
     if state:
         states = state.split(",")
         for value in states:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from django.http import FileResponse, HttpResponse
 
 from tasks.api.problems import problem
@@ -11,13 +13,22 @@ from tasks.states import State
 from tasks.storage import result_file
 
 
+def result_filename(task: Task) -> str:
+    """The name a result is saved under: the uploaded file's name with the result's extension
+    (meeting.wav → meeting.srt); the task id when the upload had no usable name."""
+    label = os.path.basename((task.file.label if task.file_id else "") or "").strip()
+    stem = os.path.splitext(label)[0]
+    stem = "".join(c for c in stem if c.isprintable() and c not in '"\\/:*?<>|').strip(" .")[:120]
+    return f"{stem or task.pk}.{task.target_format}"
+
+
 def result_response(task: Task) -> HttpResponse:
     if task.state != State.SUCCEEDED or not task.result_path:
         raise NotReady(f"The task is {task.state}; its result can be downloaded once it is SUCCEEDED.", state=task.state)
     path = result_file(task.result_path)
     if not path.exists():
         return problem(410, "result_expired", "The result is past its retention and was removed.")
-    response = FileResponse(open(path, "rb"), content_type=task.result_content_type or "application/octet-stream")
-    response["Content-Disposition"] = f'attachment; filename="{task.pk}.{task.target_format}"'
+    response = FileResponse(open(path, "rb"), content_type=task.result_content_type or "application/octet-stream",
+                            as_attachment=True, filename=result_filename(task))
     response["X-Content-SHA256"] = task.result_sha256
     return response

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 from django import forms
 
 from tasks.api.bodies import MAX_LABEL, upload_label
@@ -10,8 +12,10 @@ TARGETS = sorted({t for targets in TARGET_FORMATS.values() for t in targets})
 
 class SubmitForm(forms.Form):
     file = forms.FileField(help_text="Audio to transcribe, or a document to convert.")
-    kind = forms.ChoiceField(choices=[(k, k.capitalize()) for k in KINDS])
-    target_format = forms.ChoiceField(choices=[(t, t) for t in TARGETS])
+    kind = forms.ChoiceField(choices=[(k, k.capitalize()) for k in KINDS], initial=KINDS[0],
+                             widget=forms.Select(attrs={"data-formats": json.dumps({k: list(TARGET_FORMATS[k]) for k in KINDS})}))
+    # The default is valid for the default kind; the page offers only the formats of the kind chosen.
+    target_format = forms.ChoiceField(choices=[(t, t) for t in TARGETS], initial=TARGET_FORMATS[KINDS[0]][0])
     priority = forms.ChoiceField(choices=[("interactive", "Interactive (fast lane)"), ("batch", "Batch")], initial="batch")
 
     def clean_file(self):

@@ -8,9 +8,9 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from tasks import selectors
+from tasks import selectors, wording
 from tasks.api.bodies import upload_label
-from tasks.api.results import result_response
+from tasks.api.results import result_filename, result_response
 from tasks.errors import SluiceError
 from tasks.portal.forms import SubmitForm
 from tasks.scheduling.waiting import waiting_reason
@@ -42,7 +42,8 @@ def task_list(request: HttpRequest, tenant) -> HttpResponse:
     except SluiceError as error:
         messages.error(request, error.detail)
         rows, cursor = [], None
-    context = {"tasks": rows, "next_cursor": cursor, "state": state, "tenant": tenant, "states": State.values}
+    context = {"tasks": rows, "next_cursor": cursor, "state": state, "tenant": tenant, "states": State.values,
+               "cursor_shown": bool(request.GET.get("cursor"))}
     return render(request, "portal/task_list.html", context)
 
 
@@ -56,8 +57,41 @@ def task_states(request: HttpRequest, tenant) -> HttpResponse:
             task = selectors.task_get(tenant=tenant, task_id=task_id)
         except SluiceError:
             continue
-        data[task_id] = {"state": task.state, "waiting_reason": waiting_reason(task), "terminal": task.state in TERMINAL_STATES}
-    return JsonResponse({"tasks": data})
+        data[task_id] = _row(task, request)
+    # Tasks submitted since the list was drawn (from this page or any other client) appear too.
+    newer = []
+    since = request.GET.get("since", "")
+    if since:
+        try:
+            rows, _ = selectors.task_list(tenant=tenant, state=request.GET.get("state") or None, limit=20)
+        except SluiceError:
+            rows = []
+        newer = [{"id": str(t.pk), **_row(t, request)} for t in rows if t.created_at.isoformat() > since and str(t.pk) not in ids]
+    return JsonResponse({"tasks": data, "new": newer})
+
+
+def _row(task, request) -> dict:
+    from tasks.templatetags.sluice import when
+
+    return {"state": task.state, "terminal": task.state in TERMINAL_STATES,
+            "waiting_reason": wording.waiting_words(waiting_reason(task)), "outcome": _outcome(task, request.user),
+            "name": task.file.label or "", "kind": task.kind, "target_format": task.target_format,
+            "created": str(when(task.created_at)), "created_at": task.created_at.isoformat(),
+            "url": f"/tasks/{task.pk}/"}
+
+
+def _outcome(task, user) -> str:
+    """How the task ended, as its owner reads it ("" while it runs)."""
+    if task.state == State.CANCELLED or task.state == State.CANCEL_REQUESTED:
+        by = task.events.filter(to_state__in=[State.CANCEL_REQUESTED, State.CANCELLED]).order_by("at").values_list("actor", flat=True).first()
+        if by == f"user {user.username}":
+            return "cancelled by you" if task.state == State.CANCELLED else "cancelling, as you asked"
+        if by and (by.startswith("user ") or by.startswith("api tenant")):
+            return "cancelled by your organisation"
+        return "cancelled by an operator" if by else "cancelled"
+    if task.state in (State.FAILED, State.EXPIRED):
+        return wording.error_words(task.error_code, findings=task.file.precheck_findings)
+    return ""
 
 
 @tenant_required
@@ -97,7 +131,9 @@ def task_detail(request: HttpRequest, tenant, task_id: str) -> HttpResponse:
         return render(request, "portal/not_found.html", status=404)
     context = {
         "task": task, "events": selectors.task_events(task=task), "waiting_reason": waiting_reason(task),
+        "waiting_words": wording.waiting_words(waiting_reason(task)), "outcome": _outcome(task, request.user),
         "terminal": task.state in TERMINAL_STATES, "findings": task.file.precheck_findings or {}, "tenant": tenant,
+        "download_name": result_filename(task),
     }
     return render(request, "portal/task_detail.html", context)
 
