@@ -12,6 +12,7 @@ from django.db.models import Count, Min, Q, Sum
 from django.utils import timezone
 from django.utils.safestring import SafeString, mark_safe
 
+from console.history import history_context
 from tasks.models import (
     ChannelHealth,
     Lane,
@@ -223,6 +224,7 @@ def dashboard_context() -> dict[str, Any]:
     lanes = lane_stats()
     states = state_counts()
     channels = channel_stats()
+    history = history_context()
     return {
         "lanes": lanes,
         "channels": channels,
@@ -231,6 +233,8 @@ def dashboard_context() -> dict[str, Any]:
         "states_chart": bars([(s, n) for s, n in states.items()]),
         "lanes_chart": bars([(f"{l.lane.name} queued", l.queued) for l in lanes] + [(f"{l.lane.name} running", l.running) for l in lanes]),
         "live_jobs": VendorJob.objects.filter(terminal_at__isnull=True).count(),
+        "history": history,
+        "history_windows": [("1h", "hour", history["1h"]), ("24h", "24 hours", history["24h"])],
         "generated_at": timezone.now(),
     }
 

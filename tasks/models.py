@@ -755,3 +755,34 @@ class AuditEntry(models.Model):
 
     def delete(self, *args, **kwargs):
         raise ValueError("audit entries are append-only")
+
+
+class HistoryMinute(models.Model):
+    """One minute of what happened, per lane, per channel and overall: the console's history
+    (kept 7 days, written by the dispatcher, tasks/services/history.py)."""
+
+    class Scope(models.TextChoices):
+        ALL = "all"
+        LANE = "lane"
+        CHANNEL = "channel"
+
+    minute = models.DateTimeField()
+    scope = models.CharField(max_length=8, choices=Scope.choices)
+    key = models.CharField(max_length=64, blank=True)
+    submitted = models.PositiveIntegerField(default=0)
+    succeeded = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    retried = models.PositiveIntegerField(default=0)
+    wait_p50_s = models.FloatField(null=True, blank=True, help_text="Queue wait of tasks that started this minute.")
+    wait_p95_s = models.FloatField(null=True, blank=True)
+    vendor_p50_ms = models.FloatField(null=True, blank=True, help_text="Duration of vendor calls made this minute.")
+    vendor_p95_ms = models.FloatField(null=True, blank=True)
+    errors = models.JSONField(default=dict, blank=True, help_text="Failures by error class.")
+    computed_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["minute", "scope", "key"], name="history_minute_unique")]
+        indexes = [models.Index(fields=["scope", "key", "minute"])]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.scope}:{self.key}"

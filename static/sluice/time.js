@@ -37,7 +37,15 @@
       }
     });
   }
-  window.sluiceTimes = render;
+  function renderAxes() {  // chart axes: hours and minutes in the viewer's zone
+    document.querySelectorAll("[data-when-hm]").forEach(function (el) {
+      var d = new Date(el.getAttribute("data-when-hm"));
+      if (!isNaN(d)) el.textContent = pad(d.getHours()) + ":" + pad(d.getMinutes());
+    });
+  }
+  var renderAll = function () { render(); renderAxes(); };
+  window.sluiceTimes = renderAll;
+  renderAxes();
   render();
   setInterval(render, 15000);
 })();

@@ -31,6 +31,7 @@ from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
 from tasks.scheduling.channels import channel_rooms, channels_down_for, pick_channel
 from tasks.scheduling.lanes import lane_running
 from tasks.services.execution import new_operation_fields
+from tasks.services.history import history_rollup_due
 from tasks.services.outcomes import task_move
 from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
 from tasks.vendors import breaker
@@ -102,8 +103,9 @@ def tick(*, now: datetime | None = None) -> dict[str, int]:
         "ledger_syncs": send_due_ledger_syncs(now),
         "notifications": send_due_notifications(now),
         "vendor_jobs": clean_up_vendor_jobs(now),
+        "history": history_rollup_due(now),
     }
-    busy = {k: v for k, v in counts.items() if v}
+    busy = {k: v for k, v in counts.items() if v and k != "history"}
     if busy:
         log_event("dispatch_tick", count=sum(busy.values()), reason=",".join(f"{k}={v}" for k, v in busy.items()))
     return counts

@@ -1,0 +1,141 @@
+"""History at a glance: a per-minute rollup of the task table, kept for 7 days.
+
+The dispatcher calls `history_rollup_due` on every tick; it recomputes the last few minutes at
+most every ROLLUP_EVERY_S (the current minute included, so the dashboard is never more than that
+behind), upserting one row per minute for everything, for each lane and for each channel. Rows
+are derived from the task table, its events and the vendor calls, so recomputing is safe and
+several dispatchers may do it at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import F, Max
+from django.utils import timezone
+
+from tasks.models import HistoryMinute, Task, TaskEvent, VendorCall
+from tasks.states import State
+
+KEEP = timedelta(days=7)
+ROLLUP_EVERY_S = 15.0
+RECOMPUTE_MINUTES = 3  # late writes (a task finishing just after its minute) are caught up
+SAMPLE = 5000  # durations per minute used for the percentiles
+
+# Failures by class, as the charts group them.
+ERROR_CLASSES: dict[str, str] = {
+    "quarantined": "input", "input_mismatch": "input", "unsupported_mode": "input",
+    "deadline_exceeded": "deadline", "queue_deadline_exceeded": "deadline", "execution_timeout": "deadline",
+    "shed": "capacity",
+    "step_crashed": "internal", "worker_stopped": "internal", "lease_expired": "internal",
+}
+
+
+def error_class(code: str) -> str:
+    """The class of a failure: input, deadline, capacity, internal or vendor (the rest)."""
+    return ERROR_CLASSES.get(code or "", "vendor" if code else "unknown")
+
+
+def floor_minute(at: datetime) -> datetime:
+    return at.replace(second=0, microsecond=0)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))], 3)
+
+
+class _Minute:
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.errors: Counter = Counter()
+        self.waits: list[float] = []
+        self.calls: list[float] = []
+
+
+def minute_rows(start: datetime) -> dict[tuple[str, str], dict[str, Any]]:
+    """What happened in the minute starting at `start`, keyed by (scope, key)."""
+    end = start + timedelta(minutes=1)
+    groups: dict[tuple[str, str], _Minute] = defaultdict(_Minute)
+
+    def scopes(lane: str | None, channel: str | None):
+        yield groups[("all", "")]
+        if lane:
+            yield groups[("lane", lane)]
+        if channel:
+            yield groups[("channel", channel)]
+
+    for lane, channel in Task.objects.filter(created_at__gte=start, created_at__lt=end).values_list("lane_id", "channel_id"):
+        for group in scopes(lane, channel):
+            group.counts["submitted"] += 1
+    ended = TaskEvent.objects.filter(at__gte=start, at__lt=end, to_state__in=[State.SUCCEEDED, State.FAILED, State.EXPIRED,
+                                                                                State.RETRY_WAIT])
+    for state, lane, channel, code in ended.values_list("to_state", "task__lane_id", "task__channel_id", "task__error_code"):
+        for group in scopes(lane, channel):
+            if state == State.SUCCEEDED:
+                group.counts["succeeded"] += 1
+            elif state == State.RETRY_WAIT:
+                group.counts["retried"] += 1
+            else:
+                group.counts["failed"] += 1
+                group.errors[error_class(code)] += 1
+    started = (Task.objects.filter(started_at__gte=start, started_at__lt=end, queued_at__isnull=False)
+               .annotate(wait=F("started_at") - F("queued_at")).values_list("lane_id", "channel_id", "wait")[:SAMPLE])
+    for lane, channel, wait in started:
+        for group in scopes(lane, channel):
+            group.waits.append(max(wait.total_seconds(), 0.0))
+    calls = VendorCall.objects.filter(at__gte=start, at__lt=end).values_list("task__lane_id", "channel_id", "duration_ms")
+    for lane, channel, duration in calls[:SAMPLE]:
+        for group in scopes(lane, channel):
+            group.calls.append(float(duration))
+    rows = {}
+    for scope_key, group in groups.items():
+        rows[scope_key] = {
+            "submitted": group.counts["submitted"], "succeeded": group.counts["succeeded"],
+            "failed": group.counts["failed"], "retried": group.counts["retried"],
+            "wait_p50_s": _percentile(group.waits, 0.5), "wait_p95_s": _percentile(group.waits, 0.95),
+            "vendor_p50_ms": _percentile(group.calls, 0.5), "vendor_p95_ms": _percentile(group.calls, 0.95),
+            "errors": dict(group.errors),
+        }
+    rows.setdefault(("all", ""), {"submitted": 0, "succeeded": 0, "failed": 0, "retried": 0, "wait_p50_s": None,
+                                  "wait_p95_s": None, "vendor_p50_ms": None, "vendor_p95_ms": None, "errors": {}})
+    return rows
+
+
+def history_rollup(now: datetime | None = None, *, minutes: int = RECOMPUTE_MINUTES) -> int:
+    """Recompute the last `minutes` minutes (the current one included) and drop what is past KEEP."""
+    now = now or timezone.now()
+    written = 0
+    current = floor_minute(now)
+    for back in range(minutes - 1, -1, -1):
+        start = current - timedelta(minutes=back)
+        for (scope, key), values in minute_rows(start).items():
+            HistoryMinute.objects.update_or_create(minute=start, scope=scope, key=key or "", defaults=values)
+            written += 1
+    HistoryMinute.objects.filter(minute__lt=now - KEEP).delete()
+    return written
+
+
+_last_rollup = 0.0
+
+
+def history_rollup_due(now: datetime) -> int:
+    """The dispatcher's call: a rollup at most every ROLLUP_EVERY_S in this process."""
+    global _last_rollup
+    if time.monotonic() - _last_rollup < ROLLUP_EVERY_S:
+        return 0
+    _last_rollup = time.monotonic()
+    latest = HistoryMinute.objects.filter(scope=HistoryMinute.Scope.ALL).aggregate(m=Max("minute"))["m"]
+    # After a pause (or on a new installation) the missing minutes are filled in, up to a day.
+    gap = int((floor_minute(now) - latest).total_seconds() // 60) + 1 if latest else 60
+    return history_rollup(now, minutes=min(max(gap, RECOMPUTE_MINUTES), 24 * 60))
+
+
+def backfill(now: datetime | None = None, *, hours: int = 24) -> int:
+    """Roll up the past `hours` (a new installation, or after the dispatcher was down)."""
+    return history_rollup(now, minutes=hours * 60)
