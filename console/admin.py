@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.html import format_html
+from django.utils.safestring import mark_safe
 
 from console.admin_site import site
 from console.auditing import Audited
@@ -217,7 +218,7 @@ class CreatedRangeFilter(admin.ListFilter):
 
 @admin.register(Task, site=site)
 class TaskAdmin(ReadOnly):
-    list_display = ("short_id", "tenant", "state_badge", "waiting", "lane", "kind", "channel", "attempts",
+    list_display = ("short_id", "file_name", "tenant", "state_badge", "waiting", "lane", "kind", "channel", "tries",
                     "error", "created")
     list_display_links = None  # the id column is the link
     list_filter = (IdsFilter, "state", WaitingFilter, HeldByFilter, "lane", "kind", "priority", ("tenant", admin.RelatedOnlyFieldListFilter),
@@ -226,7 +227,7 @@ class TaskAdmin(ReadOnly):
     search_fields = ("vendor_client_ref",)
     search_help_text = ("Task id, vendor job id, client ref, an Idempotency-Key (ours or the vendor's), tenant name, "
                         "file name, or text in the parameters.")
-    list_select_related = ("tenant", "lane", "channel")
+    list_select_related = ("tenant", "lane", "channel", "file")
     date_hierarchy = "created_at"
     change_list_template = "console/task_change_list.html"
     show_full_result_count = True
@@ -240,7 +241,16 @@ class TaskAdmin(ReadOnly):
     def state_badge(self, obj: Task):
         return format_html('<span class="sluice-state sluice-{}">{}</span>', obj.state.lower(), obj.state)
 
-    @admin.display(description="waiting because")
+    @admin.display(description="tries", ordering="attempts")
+    def tries(self, obj: Task):
+        return obj.attempts
+
+    @admin.display(description="file")
+    def file_name(self, obj: Task):
+        label = obj.file.label or "—"
+        return format_html('<span class="sluice-file" title="{}">{}</span>', label, label)
+
+    @admin.display(description="waiting")
     def waiting(self, obj: Task):
         code = obj.sluice_waiting if hasattr(obj, "sluice_waiting") else waiting_reason(obj)
         if not code:
@@ -323,12 +333,17 @@ class TaskAdmin(ReadOnly):
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
         jobs = list(VendorJob.objects.filter(task=task).order_by("created_at"))
         ledger = {e.job_id: e for e in LedgerEntry.objects.filter(job_id__in=[j.vendor_job_id for j in jobs])}
-        from tasks.services.operations import CONFIRMATIONS, applicable
+        from tasks.services.operations import ACTION_PARAMS, CONFIRMATIONS, WARNINGS, applicable
 
         actions = [
-            (name, label, CONFIRMATIONS.get(name, "")) for name, (permission, _, label) in TASK_ACTIONS.items()
-            if request.user.has_perm(permission) and applicable(name, task)
+            (name, label, CONFIRMATIONS.get(name, ""), WARNINGS.get(name, "")) for name, (permission, _, label) in TASK_ACTIONS.items()
+            if request.user.has_perm(permission) and applicable(name, task) and name not in ACTION_PARAMS
         ]
+        if applicable("move_channel", task) and request.user.has_perm(TASK_ACTIONS["move_channel"][0]):
+            context_channels = [c for c in VendorChannel.objects.filter(enabled=True).order_by("preference", "name")
+                                if c.name != task.channel_id]
+        else:
+            context_channels = []
         context = {
             **self.admin_site.each_context(request),
             "title": f"Task {task.pk}",
@@ -345,6 +360,7 @@ class TaskAdmin(ReadOnly):
             "notifications": Notification.objects.filter(task=task),
             "dead_letters": DeadLetter.objects.filter(task=task) if request.user.has_perm("tasks.view_deadletter") else [],
             "actions": actions,
+            "move_to": context_channels,
             "role": role_of(request.user),
         }
         return TemplateResponse(request, "console/task_detail.html", context)
@@ -450,7 +466,7 @@ class NotificationAdmin(ReadOnly):
 # --- configuration ------------------------------------------------------------------------------------------
 @admin.register(Lane, site=site)
 class LaneAdmin(Configurable):
-    list_display = ("name", "paused", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s",
+    list_display = ("name", "running_state", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s",
                     "overflow_policy", "early_close_pct", "dispatch_order")
     list_editable = ()
     actions = ["pause", "resume"]
@@ -460,10 +476,25 @@ class LaneAdmin(Configurable):
         actions.pop("delete_selected", None)
         return actions if request.user.has_perm("tasks.operate_channels") else {}
 
-    @admin.action(description="Pause")
+    @admin.display(description="state", ordering="paused")
+    def running_state(self, obj: Lane):
+        if obj.paused:
+            return mark_safe('<strong class="sluice-warn" data-lane-state="paused">paused</strong>')
+        return mark_safe('<span data-lane-state="running">running</span>')
+
+    @admin.action(description="Pause… (asks first)")
     def pause(self, request, queryset):
         from tasks.services.operations import lane_change
 
+        if request.POST.get("confirmed") != "yes":
+            queued = Task.objects.filter(lane__in=queryset, state__in=[State.ACCEPTED, State.QUEUED]).count()
+            return TemplateResponse(request, "console/confirm_action.html", {
+                **self.admin_site.each_context(request), "title": f"Pause {queryset.count()} lane(s)?",
+                "consequence": f"No new work starts in them until someone resumes them; {queued} task(s) waiting there "
+                               "keep waiting (running work finishes). Resume undoes it.",
+                "items": [lane.name for lane in queryset], "queryset": queryset, "action": "pause",
+                "button": "Pause them", "back": reverse("admin:tasks_lane_changelist"),
+            })
         for lane in queryset:
             lane_change(lane=lane, actor=request.user.get_username(), paused=True)
         self.message_user(request, f"{queryset.count()} lane(s) paused")
@@ -606,7 +637,9 @@ class VendorChannelAdmin(Configurable):
             extra_context.update(
                 capabilities=capabilities,
                 health=health_for(channel),
-                transitions=BreakerTransition.objects.filter(channel=channel)[:20],
+                transitions=list(BreakerTransition.objects.filter(channel=channel).order_by("-at")[:20]),
+                held=Task.objects.filter(channel=channel, state__in=[State.QUEUED, State.RETRY_WAIT, State.RECONCILING])
+                .exclude(state=State.QUEUED, dispatched_at__isnull=False).count(),
                 breaker_choices=BREAKER_CHOICES,
                 can_force=request.user.has_perm("tasks.operate_channels"),
             )

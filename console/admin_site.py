@@ -9,7 +9,7 @@ class SluiceAdminSite(admin.AdminSite):
     site_header = "Sluice console"
     site_title = "Sluice console"
     index_title = "Operations"
-    enable_nav_sidebar = True
+    enable_nav_sidebar = False  # the grouped header navigation replaces it (room for the tables)
 
     def get_urls(self):
         from console.pages import build
@@ -23,20 +23,25 @@ class SluiceAdminSite(admin.AdminSite):
         context = super().each_context(request)
         user = request.user
         context["sluice_role"] = role_of(user) if user.is_authenticated else None
-        context["sluice_nav"] = [
-            ("Dashboard", "admin:index", True),
-            ("Tasks", "admin:tasks_task_changelist", user.has_perm("tasks.view_task")),
-            ("Triage", "admin:triage", True),
-            ("Quarantine", "admin:tasks_quarantine_changelist", user.has_perm("tasks.manage_quarantine")),
-            ("Dead letters", "admin:tasks_deadletter_changelist", user.has_perm("tasks.manage_quarantine")),
-            ("Billing", "admin:billing", True),
-            ("Lanes", "admin:tasks_lane_changelist", user.has_perm("tasks.view_lane")),
-            ("Channels", "admin:tasks_vendorchannel_changelist", user.has_perm("tasks.view_vendorchannel")),
-            ("Tenants", "admin:tasks_tenant_changelist", user.has_perm("tasks.view_tenant")),
-            ("POC", "admin:poc_list", True),
-            ("Fake vendor", "admin:fakevendor", True),
-            ("Audit", "admin:tasks_auditentry_changelist", user.has_perm("tasks.view_auditentry")),
+        groups = [
+            ("Work", [
+                ("Dashboard", "admin:index", True),
+                ("Tasks", "admin:tasks_task_changelist", user.has_perm("tasks.view_task")),
+                ("Triage", "admin:triage", True),
+                ("Quarantine", "admin:tasks_quarantine_changelist", user.has_perm("tasks.manage_quarantine")),
+                ("Dead letters", "admin:tasks_deadletter_changelist", user.has_perm("tasks.manage_quarantine")),
+                ("Lanes", "admin:tasks_lane_changelist", user.has_perm("tasks.view_lane")),
+            ]),
+            ("Vendors", [
+                ("Channels", "admin:tasks_vendorchannel_changelist", user.has_perm("tasks.view_vendorchannel")),
+                ("Billing", "admin:billing", True),
+            ]),
+            ("Tenants", [("Tenants", "admin:tasks_tenant_changelist", user.has_perm("tasks.view_tenant"))]),
+            ("QA", [("POC", "admin:poc_list", True), ("Fake vendor", "admin:fakevendor", True)]),
+            ("Audit", [("Audit", "admin:tasks_auditentry_changelist", user.has_perm("tasks.view_auditentry"))]),
         ]
+        context["sluice_nav_groups"] = [(name, [(label, url) for label, url, ok in links if ok])
+                                        for name, links in groups if any(ok for *_, ok in links)]
         return context
 
 

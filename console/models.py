@@ -55,6 +55,7 @@ class PocRun(models.Model):
     seed = models.IntegerField(default=7)
     tasks = models.PositiveIntegerField(null=True, blank=True)
     time_scale = models.FloatField(null=True, blank=True)
+    live = models.BooleanField(default=False, help_text="Drove the running system (its fake vendor's rules apply).")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
     started_by = models.CharField(max_length=150)
     created_at = models.DateTimeField(auto_now_add=True)

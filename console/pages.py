@@ -327,11 +327,17 @@ def build(site) -> list:
                     raise ValueError
             except ValueError:
                 refused(request, "poc_run", "Choose a scenario; tasks must be positive; the time scale must be in (0, 10].")
+                return HttpResponseRedirect(reverse("admin:poc_list"))
+            live = request.POST.get("live") == "yes"
+            not_live = [s.name for s in SCENARIOS if not s.live and scenario in (s.name, "all")]
+            if live and scenario != "all" and not_live:
+                refused(request, "poc_run", f"{scenario} controls processes (workers, broker) and cannot run against the "
+                        "live system; run it without “live”.")
             else:
-                run = PocRun.objects.create(scenario=scenario, seed=seed, tasks=tasks, time_scale=scale,
+                run = PocRun.objects.create(scenario=scenario, seed=seed, tasks=tasks, time_scale=scale, live=live,
                                             started_by=request.user.get_username())
                 audit(actor=request.user.get_username(), action="poc_run", target_type="poc", target_id=str(run.pk),
-                      detail={"scenario": scenario, "seed": seed, "tasks": tasks, "time_scale": scale})
+                      detail={"scenario": scenario, "seed": seed, "tasks": tasks, "time_scale": scale, "live": live})
                 from tasks.queueing import send
 
                 send("console.poc_jobs.run_poc", run.pk, name=f"poc {run.pk}")
@@ -349,6 +355,8 @@ def build(site) -> list:
         return render(request, site, "console/poc_detail.html", f"POC run #{run.pk}: {run.scenario}", run=run, reports=reports)
 
     def fakevendor(request):
+        import httpx
+
         from fakevendor.control import ControlError, VendorControl
 
         control = VendorControl(settings.FAKEVENDOR_URL, settings.FAKEVENDOR_ADMIN_TOKEN, timeout=5)
@@ -374,12 +382,19 @@ def build(site) -> list:
                 audit(actor=request.user.get_username(), action=f"fakevendor_{op}", target_type="fakevendor", done=1)
             except ValueError as exc:
                 refused(request, f"fakevendor_{op}", f"Not valid JSON or number: {exc}", target_type="fakevendor")
+                request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]  # not lost
             except ControlError as exc:
                 refused(request, f"fakevendor_{op}", f"Refused: {exc} (field: {exc.field})" if exc.field else f"Refused: {exc}",
                         target_type="fakevendor")
+                request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]
+            except httpx.HTTPError as exc:
+                refused(request, f"fakevendor_{op}", f"The fake vendor at {settings.FAKEVENDOR_URL} did not answer ({type(exc).__name__}).",
+                        target_type="fakevendor")
+                request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]
             return HttpResponseRedirect(reverse("admin:fakevendor"))
         reachable = control.health()
-        context = {"reachable": reachable, "url": settings.FAKEVENDOR_URL, "can_edit": can_edit}
+        context = {"reachable": reachable, "url": settings.FAKEVENDOR_URL, "can_edit": can_edit,
+                   "rule_typed": request.session.pop("fault_rule_typed", "")}
         if reachable:
             context.update(rules=control.rules(), journal=control.journal()[-50:][::-1], invariants=control.invariants())
         return render(request, site, "console/fakevendor.html", "Fake vendor", **context)

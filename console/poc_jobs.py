@@ -25,6 +25,8 @@ def run_poc(run_id: int) -> str:
         command += ["--tasks", str(run.tasks)]
     if run.time_scale:
         command += ["--time-scale", str(run.time_scale)]
+    if run.live:
+        command += ["--live"]
     process = subprocess.Popen(command, cwd=settings.BASE_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     last_saved = 0.0
     buffer = b""

@@ -11,6 +11,7 @@
           var doc = new DOMParser().parseFromString(html, "text/html");
           var body = doc.querySelector("#content-main") || doc.querySelector("#content") || doc.body;
           dashboard.innerHTML = body.innerHTML;
+          if (window.sluiceTimes) window.sluiceTimes();
         })
         .catch(function () {});
     }, every);

@@ -11,9 +11,10 @@
     var off = -d.getTimezoneOffset();
     return "UTC" + (off >= 0 ? "+" : "-") + pad(Math.floor(Math.abs(off) / 60)) + ":" + pad(Math.abs(off) % 60);
   }
-  function absolute(d) {
+  function absolute(d, exact) {
+    var ms = exact ? "." + ("00" + d.getMilliseconds()).slice(-3) : "";
     return d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " +
-      pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds()) + " " + zone(d);
+      pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds()) + ms + " " + zone(d);
   }
   function relative(d, now) {
     var s = Math.round((now - d) / 1000), future = s < 0;
@@ -29,7 +30,7 @@
       var d = new Date(el.getAttribute("datetime"));
       if (isNaN(d)) return;
       if (el.getAttribute("data-when") === "absolute") {  // timelines: the exact time, relative on hover
-        el.textContent = absolute(d);
+        el.textContent = absolute(d, true);
         el.title = relative(d, now);
       } else {
         el.title = absolute(d);

@@ -172,6 +172,8 @@ def execute(ctx: RunContext) -> dict[str, Any]:
         "live": ctx.live,
         "passed": all(r.ok for r in results),
         "duration_s": round(time.monotonic() - started, 2),
+        # Durations in the metrics are scenario time (wall time divided by the time scale).
+        "scenario_duration_s": round((time.monotonic() - started) / (ctx.time_scale or 1.0), 1),
         "invariants": [r.as_dict() for r in results],
         "metrics": metrics,
     }

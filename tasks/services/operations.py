@@ -112,6 +112,14 @@ TASK_ACTIONS: dict[str, tuple[str, Callable[..., Outcome], str]] = {
     "mark_not_created": ("tasks.operate_tasks", mark_not_created, "Mark as not created, then resend"),
     "move_channel": ("tasks.operate_tasks", move_channel, "Move to another channel"),
 }
+# What the console says before an action that cannot be taken back.
+WARNINGS = {
+    "cancel": "Cancel this task? Its work so far is lost and the vendor job is stopped; this cannot be undone.",
+    "replay": "Replay this task? It runs again as a new generation, and the vendor may bill it again.",
+    "resend_accept_duplicate": "Send this task again although the vendor may hold a job for it (a possible second charge)?",
+    "mark_not_created": "Send this task again as never received by the vendor?",
+    "discard": "Discard this dead letter? It is closed without a replay.",
+}
 # Actions that take a parameter, and its name (the console asks for it).
 ACTION_PARAMS = {"move_channel": "to"}
 # Actions that need the operator to confirm what they assert, in these words.

@@ -23,9 +23,10 @@ def when(value: datetime | None, style: str = "relative"):
     if not value:
         return "—"
     utc = value.astimezone(dt_timezone.utc) if timezone.is_aware(value) else value
-    text = f"{utc:%Y-%m-%d %H:%M:%S} UTC"
+    exact = style == "absolute"
+    text = f"{utc:%Y-%m-%d %H:%M:%S}" + (f".{utc.microsecond // 1000:03d}" if exact else "") + " UTC"
     return format_html('<time datetime="{}" data-when="{}" title="{}">{}</time>', utc.isoformat(),
-                       "absolute" if style == "absolute" else "relative", text, text)
+                       "absolute" if exact else "relative", text, text)
 
 
 @register.filter
@@ -67,3 +68,17 @@ def task_error_words(task) -> str:
 @register.filter
 def error_words(code: str | None) -> str:
     return wording.error_words(code)
+
+
+@register.filter
+def readable(value) -> str:
+    """A value for people instead of a Python repr: "key: value · key: value", lists comma-separated."""
+    if isinstance(value, dict):
+        return " · ".join(f"{k}: {readable(v)}" for k, v in value.items()) or "—"
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(readable(v) for v in value) or "—"
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)

@@ -45,8 +45,8 @@ def test_the_dashboard_renders_its_charts_and_refreshes_without_a_reload(page, l
     login(*staff("viewer"))
     assert page.locator("svg.bars").count() >= 2 and page.locator("svg.meter").count() >= 4
     assert page.locator("svg.spark").count() >= 4
-    stamp = page.locator("#dashboard p.quiet").inner_text()
-    page.wait_for_function("s => document.querySelector('#dashboard p.quiet').innerText !== s", arg=stamp, timeout=15_000)
+    stamp = page.locator("#dashboard-updated").inner_text()
+    page.wait_for_function("s => document.querySelector('#dashboard-updated').innerText !== s", arg=stamp, timeout=15_000)
     assert page.url.endswith("/console/")
     page.emulate_media(color_scheme="dark")
     screenshot(page, "dashboard-dark")
@@ -163,3 +163,28 @@ def test_an_operator_finds_the_tasks_hurt_by_an_outage_sees_why_they_wait_and_re
         screenshot(page, "outage-audit")
     finally:
         stack.stop_all()
+
+
+def test_the_console_fits_a_laptop_and_reads_on_a_phone(page, login, live_server, api):
+    for _ in range(3):
+        submit_file(api, name="quarterly-review-with-a-long-name.wav")
+    login(*staff("admin"))
+    page.set_viewport_size({"width": 1280, "height": 900})
+    for path in ("/console/", "/console/tasks/task/"):
+        page.goto(live_server.url + path)
+        nav = page.locator("nav.sluice-nav").bounding_box()
+        line = page.locator("nav.sluice-nav a").first.bounding_box()
+        assert nav["height"] < 2 * line["height"] + 4, (path, nav, line)  # one line: the header does not wrap
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), path
+    results = page.locator("#changelist .results")
+    assert page.evaluate("el => el.scrollWidth <= el.clientWidth", results.element_handle())  # no inner scroll
+    for column in ("file_name", "channel", "tries", "error", "created"):
+        assert page.locator(f"#result_list thead th.column-{column}").is_visible(), column
+    texts = page.locator("#result_list tbody tr").first.inner_text()
+    assert "just now" in texts or " ago" in texts  # times read as relative (absolute on hover)
+    assert "quarterly-review-with-a-long-name.wav" in texts
+    screenshot(page, "task-list-1280")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(live_server.url + "/console/")
+    assert page.locator("nav.sluice-nav").is_visible()
+    screenshot(page, "dashboard-390")

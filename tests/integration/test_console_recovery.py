@@ -155,3 +155,72 @@ def test_the_task_list_is_newest_first_and_billings_drill_down_opens(operator, a
     ids = operator.get(reverse("admin:tasks_task_changelist"), {"ids": first}).content.decode()
     assert first[:8] in ids and second[:8] not in ids
     assert operator.get(reverse("admin:tasks_task_changelist"), {"ids": "garbage"}).status_code == 400
+
+
+def test_pausing_a_lane_asks_first_and_resume_undoes_it(client):
+    from tasks.models import Lane
+
+    user, password = staff_ensure(username="admin-recovery", role="admin", actor="test")
+    client.login(username=user.username, password=password)
+    url = reverse("admin:tasks_lane_changelist")
+    asked = client.post(url, {"action": "pause", "_selected_action": ["batch"]})
+    assert asked.status_code == 200 and "No new work starts" in asked.content.decode()
+    assert not Lane.objects.get(pk="batch").paused
+    client.post(url, {"action": "pause", "_selected_action": ["batch"], "confirmed": "yes"})
+    assert Lane.objects.get(pk="batch").paused
+    listing = client.get(url).content.decode()
+    assert 'data-lane-state="paused"' in listing
+    client.post(url, {"action": "resume", "_selected_action": ["batch"]})
+    assert not Lane.objects.get(pk="batch").paused
+    assert AuditEntry.objects.filter(action="lane_change").count() == 2
+
+
+def test_irreversible_buttons_say_what_they_do_before_they_do_it(operator, api):
+    task_id = submit_file(api)
+    page = operator.get(reverse("admin:tasks_task_change", args=[task_id])).content.decode()
+    assert re.search(r'data-action="cancel" data-confirm="Cancel this task\?', page)
+
+
+def test_a_refused_fault_rule_keeps_what_was_typed(client, vendor, settings):
+    settings.FAKEVENDOR_URL = vendor.url
+    user, password = staff_ensure(username="qa-recovery", role="qa", actor="test")
+    client.login(username=user.username, password=password)
+    typed = '{"endpoint": "POST /v1/jobs", "type": "no_such_fault"}'
+    answer = client.post(reverse("admin:fakevendor"), {"op": "add", "rule": typed}, follow=True)
+    page = answer.content.decode()
+    assert "Refused" in page and "no_such_fault" in page.split("<textarea")[1].split("</textarea>")[0]
+    assert AuditEntry.objects.filter(action="fakevendor_add", skipped=1).exists()
+    settings.FAKEVENDOR_URL = "http://127.0.0.1:9"  # nothing listens: said on the page, not a 500
+    answer = client.post(reverse("admin:fakevendor"), {"op": "clear"}, follow=True)
+    assert answer.status_code == 200 and "did not answer" in answer.content.decode()
+
+
+def test_a_poc_run_from_the_console_can_drive_the_live_system(client, monkeypatch):
+    from console.models import PocRun
+
+    monkeypatch.setattr("tasks.queueing.send", lambda *a, **k: None)  # started in the background elsewhere
+    user, password = staff_ensure(username="qa-live", role="qa", actor="test")
+    client.login(username=user.username, password=password)
+    refused = client.post(reverse("admin:poc_list"), {"scenario": "timeout-cancel-worker-lost", "live": "yes"}, follow=True)
+    assert "cannot run against the live system" in refused.content.decode() and PocRun.objects.count() == 0
+    client.post(reverse("admin:poc_list"), {"scenario": "rate-limit-storm", "live": "yes"})
+    run = PocRun.objects.get()
+    assert run.live
+    from console import poc_jobs
+
+    commands = []
+    monkeypatch.setattr(poc_jobs.subprocess, "Popen", lambda command, **kw: commands.append(command) or _Done())
+    poc_jobs.run_poc(run.pk)
+    assert "--live" in commands[0]
+
+
+class _Done:
+    class stderr:  # noqa: N801 - the shape of Popen's attribute
+        @staticmethod
+        def read1(n):
+            return b""
+
+    returncode = 0
+
+    def wait(self):
+        return 0
