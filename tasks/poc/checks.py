@@ -589,9 +589,10 @@ def started_by_deadline(ev: Evidence) -> Result:
         if queued and task_start:
             admitted[tid] = (queued, task_start, min(task.deadline_at, task.queue_deadline_at or task.deadline_at))
     inversions, pairs = [], 0
-    # An admission pass decides from what it read when it began: a task queued in the instant
-    # before (by another process) may not have been seen yet.
-    seen = timedelta(seconds=0.3)
+    # An admission pass decides from what it read when it began, and marks its tasks dispatched
+    # one after the other as it grants their slots (on a loaded 2-core machine that takes up to a
+    # second): a task queued after the pass read the lane was not seen by it.
+    seen = timedelta(seconds=1.0)
     for a, (qa, sa, da) in admitted.items():
         for b, (qb, sb, db) in admitted.items():
             # b was waiting when a was admitted, and b's deadline was earlier: an inversion.
