@@ -1,5 +1,7 @@
 """Demo tenants, users and staff for `make run` (faker-generated names, stable across runs)."""
 
+import os
+
 from django.core.management.base import BaseCommand
 from django.utils.text import slugify
 from faker import Faker
@@ -29,5 +31,6 @@ class Command(BaseCommand):
         for role in ROLES:
             _, password = staff_ensure(username=role, role=role, actor="seed_demo")
             lines.append(f"console {role:<9} {role} / {password}")
-        lines += ["", "Portal: http://127.0.0.1:8000/   Console: http://127.0.0.1:8000/console/", ""]
+        base = f"http://127.0.0.1:{os.environ.get('SLUICE_PORT') or 8000}"  # the port the Procfile binds
+        lines += ["", f"Portal: {base}/   Console: {base}/console/", ""]
         self.stdout.write("\n".join(lines))
