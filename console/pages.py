@@ -7,6 +7,7 @@ without it, whatever the page showed.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
@@ -72,6 +73,29 @@ def _list_url(filter_params: dict[str, Any]) -> str:
     for key, value in filter_params.items():
         query.setlist(key, value if isinstance(value, list) else [value])
     return reverse("admin:tasks_task_changelist") + (f"?{query.urlencode()}" if query else "")
+
+
+def fault_rule_from_form(data) -> dict[str, Any]:
+    """A fault rule from the console's per-type form (the same rule the JSON box takes)."""
+    from fakevendor.faults import PARAMETERS, RuleError, coerce_param
+
+    kind = data.get("type", "")
+    if kind not in PARAMETERS:
+        raise RuleError("type", f"unknown fault type {kind!r}")
+    params = {}
+    for param in PARAMETERS[kind]:
+        value = coerce_param(param, data.get(f"param_{param.name}", ""))
+        if value is not None:
+            params[param.name] = value
+    rule: dict[str, Any] = {"endpoint": (data.get("endpoint") or "* *").strip(), "type": kind, "params": params}
+    for name, cast in (("probability", float), ("times", int), ("after", int)):
+        raw = (data.get(name) or "").strip()
+        if raw:
+            try:
+                rule[name] = cast(raw)
+            except ValueError:
+                raise RuleError(name, f"must be a{'n integer' if cast is int else ' number'}") from None
+    return rule
 
 
 def render(request: HttpRequest, site, template: str, title: str, **context: Any) -> TemplateResponse:
@@ -358,6 +382,7 @@ def build(site) -> list:
         import httpx
 
         from fakevendor.control import ControlError, VendorControl
+        from fakevendor.faults import FAMILY, PARAMETERS, RuleError
 
         control = VendorControl(settings.FAKEVENDOR_URL, settings.FAKEVENDOR_ADMIN_TOKEN, timeout=5)
         can_edit = request.user.has_perm("tasks.run_qa")
@@ -370,6 +395,10 @@ def build(site) -> list:
                     rule = safejson.loads(request.POST.get("rule") or "{}")
                     created = control.add_rule(rule)
                     messages.success(request, f"Rule {created['id']} added.")
+                elif op == "add_form":
+                    rule = fault_rule_from_form(request.POST)
+                    created = control.add_rule(rule)
+                    messages.success(request, f"Rule {created['id']} added: {json.dumps(rule)}")
                 elif op == "delete":
                     control.delete_rule(request.POST["rule_id"])
                     messages.success(request, "Rule removed.")
@@ -383,6 +412,8 @@ def build(site) -> list:
             except ValueError as exc:
                 refused(request, f"fakevendor_{op}", f"Not valid JSON or number: {exc}", target_type="fakevendor")
                 request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]  # not lost
+            except RuleError as exc:
+                refused(request, f"fakevendor_{op}", f"Refused: {exc}", target_type="fakevendor")
             except ControlError as exc:
                 refused(request, f"fakevendor_{op}", f"Refused: {exc} (field: {exc.field})" if exc.field else f"Refused: {exc}",
                         target_type="fakevendor")
@@ -394,6 +425,7 @@ def build(site) -> list:
             return HttpResponseRedirect(reverse("admin:fakevendor"))
         reachable = control.health()
         context = {"reachable": reachable, "url": settings.FAKEVENDOR_URL, "can_edit": can_edit,
+                   "fault_forms": [(kind, FAMILY[kind], params) for kind, params in PARAMETERS.items()],
                    "rule_typed": request.session.pop("fault_rule_typed", "")}
         if reachable:
             context.update(rules=control.rules(), journal=control.journal()[-50:][::-1], invariants=control.invariants())

@@ -32,6 +32,74 @@ FAMILY = {**{t: "wire" for t in WIRE}, **{t: "create" for t in CREATE}, **{t: "j
 METHODS = ("GET", "POST", "PUT", "DELETE", "*")
 
 
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a fault type, as a form asks for it."""
+
+    name: str
+    kind: str = "number"  # number | integer | choice | text | bool
+    required: bool = False
+    example: Any = None  # a valid value (forms prefill it; a test proves every example is accepted)
+    choices: tuple = ()
+    help: str = ""
+
+
+# The parameters of each fault type, declared once: the console's fault forms are generated from
+# these; validate_params below checks the same rules.
+PARAMETERS: dict[str, tuple[Param, ...]] = {
+    "delay": (Param("ms", required=True, example=2000, help="fixed delay before answering"),),
+    "stall": (Param("ms", example=30000, help="hold the request, then close without answering"),),
+    "dribble": (Param("chunks", "integer", True, 5, help="the answer in this many pieces"),
+                Param("total_ms", required=True, example=3000, help="spread over this long")),
+    "bandwidth": (Param("bytes_per_s", required=True, example=100000, help="both directions"),),
+    "http_error": (Param("status", "integer", True, 503, help="400-599"), Param("code", "text", help="error code in the body")),
+    "rate_limit": (Param("status", "choice", example=429, choices=(429, 503)),
+                   Param("retry_after_s", example=5, help="Retry-After seconds"),
+                   Param("retry_after_date", "bool", help="send Retry-After as an HTTP date")),
+    "reset": (Param("stage", "choice", example="before_body", choices=("before_body", "mid_body")),
+              Param("after_bytes", "integer", help="for mid_body: reset after this many bytes")),
+    "close": (),
+    "garbage": (Param("bytes", "integer", example=64, help="random bytes instead of HTTP"),),
+    "goaway": (Param("last_stream_id", "integer"), Param("error_code", "integer")),
+    "response_lost": (Param("mode", "choice", example="reset", choices=("reset", "close", "stall", "goaway"),
+                            help="how the answer is lost after the work was done (and billed)"),),
+    "redirect": (Param("status", "choice", example=302, choices=REDIRECT_STATUSES), Param("location", "text")),
+    "malformed": (Param("body", "choice", example="not_json", choices=MALFORMED_BODIES),
+                  Param("status", "integer", help="200-299: a success with a broken body")),
+    "slicer": (Param("average_size", "integer", example=16), Param("size_variation", "integer", example=4),
+               Param("delay_ms", example=50)),
+    "ignore_idempotency": (),
+    "duplicate_create": (Param("copies", "integer", True, 2, help="jobs created (and billed) per request"),),
+    "duplicate_on_create": (Param("copies", "integer", example=2),),
+    "job_fail": (Param("code", "text", example="transcription_error"), Param("retryable", "bool")),
+    "stuck": (Param("ms", required=True, example=600000, help="the job stays processing this long"),),
+    "digest_mismatch": (),
+    "input_digest_mismatch": (),
+    "transient_404": (Param("ms", required=True, example=3000, help="the new job answers 404 this long"),),
+}
+
+
+def coerce_param(param: Param, raw: str) -> Any:
+    """A form field's text as the parameter's type (None: left empty)."""
+    raw = (raw or "").strip()
+    if param.kind == "bool":
+        return raw in ("on", "yes", "true", "1") or None
+    if raw == "":
+        return None
+    if param.kind == "integer" or (param.kind == "choice" and all(isinstance(c, int) for c in param.choices)):
+        try:
+            return int(raw)
+        except ValueError:
+            raise RuleError(f"params.{param.name}", "must be an integer") from None
+    if param.kind == "number":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise RuleError(f"params.{param.name}", "must be a number") from None
+        return int(value) if value.is_integer() else value
+    return raw
+
+
 class RuleError(ValueError):
     """A malformed rule; `field` names the offending field."""
 

@@ -224,3 +224,22 @@ class _Done:
 
     def wait(self):
         return 0
+
+
+def test_every_fault_type_has_a_form_whose_example_the_fake_vendor_accepts(client, vendor, settings):
+    from fakevendor.faults import PARAMETERS, TYPES
+
+    settings.FAKEVENDOR_URL = vendor.url
+    user, password = staff_ensure(username="qa-forms", role="qa", actor="test")
+    client.login(username=user.username, password=password)
+    page = client.get(reverse("admin:fakevendor")).content.decode()
+    assert sorted(re.findall(r'data-fault-type="([a-z_0-9]+)"', page)) == sorted(TYPES)
+    for kind, params in PARAMETERS.items():
+        form = {"op": "add_form", "type": kind, "endpoint": "GET /v1/usage", "times": "1"}
+        form.update({f"param_{p.name}": str(p.example) for p in params if p.example is not None})
+        answer = client.post(reverse("admin:fakevendor"), form, follow=True)
+        assert "Refused" not in answer.content.decode(), (kind, form)
+    assert len(vendor.control.rules()) == len(TYPES)
+    bad = client.post(reverse("admin:fakevendor"), {"op": "add_form", "type": "dribble", "param_chunks": "many"},
+                      follow=True).content.decode()
+    assert "params.chunks: must be an integer" in bad
