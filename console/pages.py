@@ -379,9 +379,7 @@ def build(site) -> list:
         return render(request, site, "console/poc_detail.html", f"POC run #{run.pk}: {run.scenario}", run=run, reports=reports)
 
     def fakevendor(request):
-        import httpx
-
-        from fakevendor.control import ControlError, VendorControl
+        from fakevendor.control import ControlError, ControlUnreachable, VendorControl
         from fakevendor.faults import FAMILY, PARAMETERS, RuleError
 
         control = VendorControl(settings.FAKEVENDOR_URL, settings.FAKEVENDOR_ADMIN_TOKEN, timeout=5)
@@ -414,12 +412,12 @@ def build(site) -> list:
                 request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]  # not lost
             except RuleError as exc:
                 refused(request, f"fakevendor_{op}", f"Refused: {exc}", target_type="fakevendor")
-            except ControlError as exc:
-                refused(request, f"fakevendor_{op}", f"Refused: {exc} (field: {exc.field})" if exc.field else f"Refused: {exc}",
+            except ControlUnreachable as exc:
+                refused(request, f"fakevendor_{op}", f"The fake vendor at {settings.FAKEVENDOR_URL} did not answer: {exc}.",
                         target_type="fakevendor")
                 request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]
-            except httpx.HTTPError as exc:
-                refused(request, f"fakevendor_{op}", f"The fake vendor at {settings.FAKEVENDOR_URL} did not answer ({type(exc).__name__}).",
+            except ControlError as exc:
+                refused(request, f"fakevendor_{op}", f"Refused: {exc} (field: {exc.field})" if exc.field else f"Refused: {exc}",
                         target_type="fakevendor")
                 request.session["fault_rule_typed"] = (request.POST.get("rule") or "")[:20_000]
             return HttpResponseRedirect(reverse("admin:fakevendor"))

@@ -17,6 +17,13 @@ class ControlError(Exception):
         self.field = body.get("field")
 
 
+class ControlUnreachable(ControlError):
+    """The control API did not answer at all (not running, wrong address, timed out)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(0, {"detail": f"not reachable ({type(error).__name__})"})
+
+
 class VendorControl:
     def __init__(self, base_url: str, admin_token: str, *, timeout: float = 10) -> None:
         self.base = base_url.rstrip("/")
@@ -25,7 +32,10 @@ class VendorControl:
         )
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.http.request(method, path, **kwargs)
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            raise ControlUnreachable(error) from error
         if response.status_code >= 400:
             try:
                 body = response.json()
