@@ -9,7 +9,7 @@ PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-sqlite test-distributed poc bench install browser migrate clean
+.PHONY: run test test-sqlite test-distributed poc bench install browser engine migrate clean
 
 poc: install
 	$(PY) manage.py poc run all
@@ -29,7 +29,7 @@ install: $(VENV)/.installed var/secret_key
 migrate: install
 	$(PY) manage.py migrate --noinput
 
-run: migrate
+run: engine migrate
 	$(PY) manage.py seed_demo
 	$(VENV)/bin/honcho start -f Procfile
 
@@ -39,7 +39,15 @@ browser:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: install browser test-sqlite test-distributed
+# Debian's LibreOffice (writer, calc, impress, without GUI) and poppler: the local conversion engine.
+engine:
+	@if command -v soffice >/dev/null 2>&1 && command -v pdftotext >/dev/null 2>&1; then :; else \
+	  echo "installing Debian's LibreOffice and poppler-utils for the local conversion engine"; \
+	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui poppler-utils fonts-dejavu-core >/dev/null \
+	  || echo "could not install LibreOffice: conversions go to the vendor channels (the console says so)"; fi
+
+test: install browser engine test-sqlite test-distributed
 
 test-sqlite: install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -559,6 +559,10 @@ class VendorChannelForm(forms.ModelForm):
         from tasks.outbound import OutboundRefused, outbound_pin
 
         url = self.cleaned_data.get("base_url")
+        if self.data.get("dialect", getattr(self.instance, "dialect", "")) == "local":
+            return ""  # the local engine is reached without HTTP
+        if not url:
+            raise forms.ValidationError("A vendor channel needs the vendor's base URL.")
         try:
             outbound_pin(url, allow_private=settings.VENDOR_ALLOW_PRIVATE, what="the base URL")
         except OutboundRefused as refused:
@@ -641,9 +645,16 @@ class VendorChannelAdmin(Configurable):
                 held=Task.objects.filter(channel=channel, state__in=[State.QUEUED, State.RETRY_WAIT, State.RECONCILING])
                 .exclude(state=State.QUEUED, dispatched_at__isnull=False).count(),
                 breaker_choices=BREAKER_CHOICES,
+                engine=_engine_status() if channel.dialect == "local" else None,
                 can_force=request.user.has_perm("tasks.operate_channels"),
             )
         return super().change_view(request, object_id, form_url, extra_context)
+
+
+def _engine_status() -> dict:
+    from tasks import engine
+
+    return {"installed": engine.installed(), "version": engine.engine_version()}
 
 
 class TenantQuotaInline(admin.StackedInline):

@@ -16,7 +16,7 @@ from tasks.services.history import floor_minute
 
 WINDOWS = {"1h": (timedelta(hours=1), 1), "24h": (timedelta(hours=24), 30)}  # span, minutes per bucket
 CLASS_COLORS = {"vendor": "#c0392b", "deadline": "#d68910", "input": "#7d3c98", "capacity": "#2874a6",
-                "internal": "#566573", "unknown": "#979a9a"}
+                "internal": "#566573", "engine": "#117a65", "unknown": "#979a9a"}
 
 
 @dataclass

@@ -183,6 +183,18 @@ CALLBACK_ALLOW_PRIVATE = env("SLUICE_CALLBACK_ALLOW_PRIVATE", False)
 # on loopback); set 0 where vendors are only ever public.
 VENDOR_ALLOW_PRIVATE = env("SLUICE_VENDOR_ALLOW_PRIVATE", True)
 SIGNED_URL_TTL_S = env("SLUICE_SIGNED_URL_TTL_S", 900)
+# The local conversion engine (LibreOffice + poppler): "auto" enables its channel where both are
+# installed, "off" never. Budgets per lane for each converter process (tasks/engine/runner.py).
+LOCAL_ENGINE = env("SLUICE_LOCAL_ENGINE", "auto", cast=one_of("auto", "off"))
+ENGINE_BUDGETS = {
+    "default": {"cpu_s": env("SLUICE_ENGINE_CPU_S", 60), "memory_mb": env("SLUICE_ENGINE_MEMORY_MB", 3072),
+                "output_mb": env("SLUICE_ENGINE_OUTPUT_MB", 200), "wall_s": env("SLUICE_ENGINE_WALL_S", 120)},
+    "heavy": {"cpu_s": 240, "wall_s": 480, "memory_mb": 4096},
+    "unknown-risk": {"cpu_s": 30, "wall_s": 60},
+}
+ENGINE_SLOTS = env("SLUICE_ENGINE_SLOTS", 2)  # converters at once on the local channel (across processes)
+# Test documents may stand for a looping, allocating or crashing document by a marker (tests only).
+ENGINE_TEST_MARKERS = env("SLUICE_ENGINE_TEST_MARKERS", False)
 PRECHECK_CPU_S = env("SLUICE_PRECHECK_CPU_S", 10)
 PRECHECK_MEMORY_MB = env("SLUICE_PRECHECK_MEMORY_MB", 512)
 PRECHECK_WALL_S = env("SLUICE_PRECHECK_WALL_S", 20.0)

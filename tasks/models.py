@@ -192,6 +192,7 @@ class VendorChannel(models.Model):
 
         SLUICE = "sluice", "Sluice vendor API (shared/contracts/vendor-api.md)"
         ASSEMBLYAI = "assemblyai", "AssemblyAI v2"
+        LOCAL = "local", "Local conversion engine (LibreOffice + poppler, no HTTP)"
 
     name = models.SlugField(max_length=32, primary_key=True)
     dialect = models.CharField(max_length=32, choices=Dialect.choices, default=Dialect.SLUICE)
@@ -199,7 +200,7 @@ class VendorChannel(models.Model):
         default=dict, blank=True,
         help_text='Declare this vendor weaker than its dialect, e.g. {"reconcile_by": "none"} when its job list cannot be trusted.',
     )
-    base_url = models.URLField()
+    base_url = models.URLField(blank=True, help_text="The vendor's API root (none for the local engine).")
     # Write-only secrets, encrypted at rest (tasks/secrets.py).
     api_key = SecretField()
     webhook_secret = SecretField(blank=True)

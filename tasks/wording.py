@@ -42,6 +42,14 @@ ERRORS: dict[str, str] = {
     "lease_expired": "the worker processing it stopped answering",
     "unsupported_mode": "the vendor cannot do this kind of work",
     "cancelled": "it was cancelled",
+    "engine_timeout": "converting the document took longer than allowed",
+    "engine_cpu_exceeded": "converting the document took more computing time than allowed",
+    "engine_out_of_memory": "converting the document needed more memory than allowed",
+    "engine_crashed": "the converter crashed on this document",
+    "output_too_large": "the converted document was larger than allowed",
+    "unsupported_conversion": "this document cannot be converted to the format asked for",
+    "engine_input_invalid": "the document is not what its name says",
+    "engine_not_installed": "the conversion engine is not installed here",
 }
 
 

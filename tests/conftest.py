@@ -60,6 +60,9 @@ def vendor(vendor_server, transactional_db, settings):
         control.channel(name, **CHANNEL_DEFAULTS)
     for name in ("primary", "fallback"):
         VendorChannel.objects.filter(name=name).update(base_url=f"{vendor_server}/{name}")
+    # These tests drive the fake vendor's channels: the local engine (first for conversions where
+    # it is installed) steps aside; tests/integration/test_local_engine.py uses it.
+    VendorChannel.objects.filter(name="local").update(enabled=False)
     return VendorFixture(url=vendor_server, control=control)
 
 

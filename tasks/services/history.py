@@ -31,11 +31,14 @@ ERROR_CLASSES: dict[str, str] = {
     "deadline_exceeded": "deadline", "queue_deadline_exceeded": "deadline", "execution_timeout": "deadline",
     "shed": "capacity",
     "step_crashed": "internal", "worker_stopped": "internal", "lease_expired": "internal",
+    "engine_timeout": "engine", "engine_cpu_exceeded": "engine", "engine_out_of_memory": "engine",
+    "engine_crashed": "engine", "output_too_large": "engine", "unsupported_conversion": "input",
+    "engine_input_invalid": "input",
 }
 
 
 def error_class(code: str) -> str:
-    """The class of a failure: input, deadline, capacity, internal or vendor (the rest)."""
+    """The class of a failure: input, deadline, capacity, internal, engine or vendor (the rest)."""
     return ERROR_CLASSES.get(code or "", "vendor" if code else "unknown")
 
 

@@ -27,7 +27,38 @@ def housekeeping() -> dict[str, int]:
         "idempotency_pruned": prune_idempotency_keys(),
         "originals_expired": expire_originals(),
         "dead_letters_purged": purge_dead_letters(),
+        "engine_jobs_pruned": prune_engine_jobs(),
     }
+
+
+def prune_engine_jobs(*, older_than_s: float = 24 * 3600) -> int:
+    """Finished local-engine jobs (their results were fetched into Sluice's own storage) and
+    uploads no job needs any more are removed after a day."""
+    import json
+    import shutil
+    import time
+
+    from tasks.vendors.local import root
+
+    base = root()
+    now = time.time()
+    removed = 0
+    needed: set[str] = set()
+    for job_dir in (base / "jobs").iterdir():
+        try:
+            status = json.loads((job_dir / "status.json").read_text())
+            request = json.loads((job_dir / "request.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if status.get("status") in ("completed", "failed", "canceled") and now - status.get("finished_at", now) > older_than_s:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            removed += 1
+        else:
+            needed.add(Path(request.get("input", "")).name)
+    for upload in (base / "uploads").iterdir():
+        if upload.name not in needed and now - upload.stat().st_mtime > older_than_s:
+            upload.unlink(missing_ok=True)
+    return removed
 
 
 def expire_originals() -> int:

@@ -59,6 +59,16 @@ def quarantine_add(*, file: FileVersion, reason: str, findings: dict[str, Any], 
     )
 
 
+def _converter_version(task: Task) -> str:
+    """What kept failing on the content: the local engine's version (so an engine upgrade is a new
+    verdict), or the vendor channel."""
+    if task.channel_id == "local":
+        from tasks import engine
+
+        return engine.engine_version()
+    return task.channel_id or ""
+
+
 def poison_check(*, task: Task) -> Quarantine | None:
     """Content that keeps failing at the vendor is quarantined instead of being retried forever."""
     failures = Task.objects.filter(
@@ -74,7 +84,7 @@ def poison_check(*, task: Task) -> Quarantine | None:
         file=file, reason=Quarantine.Reason.POISON,
         findings={**(file.precheck_findings or {}), "verdict": "quarantine", "reason": "poison",
                   "notes": [f"{failures} tasks on this content failed at the vendor"]},
-        converter_version=task.channel_id or "",
+        converter_version=_converter_version(task),
     )
     log_event("quarantined_poison", task_id=task.pk, count=failures)
     return entry

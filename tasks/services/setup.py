@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 
 from tasks.models import VendorChannel
+from tasks.observability import log_event
 from tasks.vendors.breaker import health_for
 from tasks.vendors.dialects import DIALECTS
 
@@ -30,6 +31,30 @@ def channels_ensure() -> None:
             defaults=dict(api_key=settings.VENDOR_API_KEY, webhook_secret=settings.VENDOR_WEBHOOK_SECRET, kinds=kinds, **values),
         )
         health_for(channel)
+    local_engine_ensure()
+
+
+def local_engine_ensure() -> VendorChannel:
+    """The local conversion engine's channel: first choice for conversions where LibreOffice and
+    poppler are installed (the fake vendor's channels stay behind it as fallbacks), disabled with
+    its reason where they are not."""
+    from tasks import engine
+
+    available = settings.LOCAL_ENGINE == "auto" and engine.installed()
+    channel, created = VendorChannel.objects.get_or_create(
+        name="local",
+        defaults=dict(dialect="local", base_url="", api_key="-", mode=VendorChannel.Mode.TWO_STEP, kinds=["conversion"],
+                      preference=5, enabled=available, max_inflight_jobs=settings.ENGINE_SLOTS,
+                      max_concurrent_uploads=max(settings.ENGINE_SLOTS * 2, 2), reserved_for_interactive=1),
+    )
+    if not created and not available and channel.enabled:
+        VendorChannel.objects.filter(pk=channel.pk).update(enabled=False)  # it was uninstalled
+    if not available:
+        log_event("local_engine_unavailable", 30, reason="off" if settings.LOCAL_ENGINE == "off" else
+                  "LibreOffice or poppler-utils is not installed: conversions go to the other channels (make engine)")
+    health_for(channel)
+    channel.refresh_from_db()
+    return channel
 
 
 def schedules_ensure() -> None:

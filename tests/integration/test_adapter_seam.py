@@ -25,7 +25,7 @@ def memory(monkeypatch, transactional_db, settings):
 
     monkeypatch.setattr(Conf, "SYNC", True)
     settings.TIME_SCALE = 0.05
-    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    VendorChannel.objects.filter(name__in=["fallback", "local"]).update(enabled=False)
     VendorChannel.objects.filter(name="primary").update(dialect="memory")
     yield
     MemoryVendor.vendors.clear()

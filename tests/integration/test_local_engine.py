@@ -1,0 +1,230 @@
+"""The local conversion engine with the real LibreOffice and poppler: generated documents of each
+input type convert to valid outputs, converters are killed at their budget and leave nothing
+behind, a create sent twice is one job, a cancel stops the converter, and a business user who
+uploads a .docx through the portal downloads a real PDF of it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tasks import engine
+from tasks.models import Task, VendorChannel
+from tasks.poc import documents
+from tasks.vendors.local import LocalEngineAdapter, root
+from tasks.vendors.protocol import JobRequest, Operation
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    if not engine.installed():
+        pytest.fail("LibreOffice or poppler-utils is missing: run `make engine` (make test and make run do).")
+
+
+def document(kind: str, tmp_path: Path) -> Path:
+    """One generated document of this type (pptx and doc are saved by LibreOffice from ODF/OOXML)."""
+    makers = {"docx": lambda: documents.docx(pages=3), "odt": lambda: documents.odf("odt"), "rtf": documents.rtf,
+              "xlsx": documents.xlsx, "ods": lambda: documents.odf("ods"), "odp": lambda: documents.odf("odp", pages=2),
+              }
+    if kind in makers:
+        path = tmp_path / f"input.{kind}"
+        path.write_bytes(makers[kind]())
+        return path
+    origin = {"pptx": ("odp", "pptx"), "doc": ("docx", "doc:MS Word 97"), "pdf": ("docx", "pdf")}[kind]
+    source = document(origin[0], tmp_path)
+    out = tmp_path / f"saved-{kind}"
+    subprocess.run([engine.soffice(), "--headless", f"-env:UserInstallation=file://{tmp_path}/profile", "--convert-to",
+                    origin[1], "--outdir", str(out), str(source)], check=True, capture_output=True, timeout=120)
+    return next(out.iterdir())
+
+
+def convert(path: Path, target: str, *, key: str = "", lane: str | None = None) -> tuple[LocalEngineAdapter, str]:
+    channel = VendorChannel.objects.get(name="local")
+    adapter = LocalEngineAdapter(channel)
+    adapter.lane = lane
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    key = key or uuid.uuid4().hex  # each operation its own key, as Sluice's are
+    operation = Operation(client_ref=f"ref-{key}", idempotency_key=key)
+    receipt = adapter.upload(path, size=path.stat().st_size, sha256=sha, operation=operation)
+    created = adapter.create_job(JobRequest(kind="conversion", target_format=target, operation=operation,
+                                            upload_ref=receipt.upload_id, sha256=sha))
+    return adapter, created.job.id
+
+
+def finished(adapter: LocalEngineAdapter, job_id: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = adapter.get_job(job_id)
+        if view.terminal:
+            return view
+        time.sleep(0.2)
+    raise AssertionError(f"engine job {job_id} did not finish")
+
+
+def pages(pdf: Path) -> int:
+    info = subprocess.run(["pdfinfo", str(pdf)], capture_output=True, text=True, check=True).stdout
+    return int(next(line.split()[-1] for line in info.splitlines() if line.startswith("Pages:")))
+
+
+def leftovers(job_id: str) -> list[str]:
+    """Processes still running for this job (their command line names it, or they work in it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (job_id.encode() in (proc / "cmdline").read_bytes()
+                                        or job_id in os.readlink(proc / "cwd")):
+                found.append(proc.name)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("kind,target,expected_pages", [
+    ("docx", "pdf", 3), ("doc", "pdf", 3), ("odt", "pdf", 1), ("rtf", "pdf", 1), ("xlsx", "pdf", 1), ("ods", "pdf", 1),
+    ("odp", "pdf", 2), ("pptx", "pdf", 2), ("docx", "html", None), ("docx", "txt", None), ("odt", "txt", None),
+    ("pdf", "txt", None), ("xlsx", "txt", None), ("docx", "md", None),
+])
+def test_each_input_type_converts_to_a_valid_output(tmp_path, kind, target, expected_pages):
+    adapter, job_id = convert(document(kind, tmp_path), target)
+    view = finished(adapter, job_id)
+    assert view.status == "completed", view
+    out = tmp_path / f"result.{target}"
+    fetched = adapter.fetch_result(job_id, out, target_format=target)
+    assert fetched.sha256 == view.result_sha256 and fetched.size == out.stat().st_size > 0
+    if target == "pdf":
+        assert out.read_bytes()[:5] == b"%PDF-" and pages(out) == expected_pages
+        text = subprocess.run(["pdftotext", str(out), "-"], capture_output=True, text=True).stdout
+    else:
+        text = out.read_text(errors="replace")
+    assert "Sluice" in text  # the marker word (a spreadsheet's narrow column shows only its start)
+    assert not (root() / "jobs" / job_id / "tmp").exists()
+
+
+def test_a_create_sent_twice_is_one_job_and_jobs_are_found_by_client_ref(tmp_path):
+    path = document("rtf", tmp_path)
+    key = uuid.uuid4().hex
+    adapter, first = convert(path, "pdf", key=key)
+    _, second = convert(path, "pdf", key=key)
+    assert first == second
+    finished(adapter, first)
+    found = adapter.find_jobs(Operation(client_ref=f"ref-{key}", idempotency_key=key))
+    assert [job.id for job in found] == [first]
+
+
+@pytest.mark.parametrize("marker,codes", [
+    ("SLUICE-ENGINE-LOOP", {"engine_cpu_exceeded", "engine_timeout"}),
+    ("SLUICE-ENGINE-ALLOCATE", {"engine_out_of_memory"}),
+    ("SLUICE-ENGINE-CRASH", {"engine_crashed"}),
+])
+def test_a_document_that_loops_allocates_or_crashes_is_stopped_at_its_budget_and_leaves_nothing(
+        tmp_path, settings, marker, codes):
+    settings.ENGINE_TEST_MARKERS = True
+    settings.ENGINE_BUDGETS = {**settings.ENGINE_BUDGETS,
+                               "default": {"cpu_s": 2, "memory_mb": 512, "output_mb": 10, "wall_s": 8}}
+    path = tmp_path / "hostile.rtf"
+    path.write_bytes(documents.rtf(f"{marker} hostile"))
+    adapter, job_id = convert(path, "pdf")
+    started = time.monotonic()
+    view = finished(adapter, job_id, timeout=30)
+    assert view.status == "failed" and view.error_code in codes, view
+    assert time.monotonic() - started < 20
+    assert not (root() / "jobs" / job_id / "tmp").exists()
+    assert leftovers(job_id) == []
+
+
+def test_a_cancel_kills_the_running_converter(tmp_path, settings):
+    settings.ENGINE_TEST_MARKERS = True
+    path = tmp_path / "slow.rtf"
+    path.write_bytes(documents.rtf("SLUICE-ENGINE-LOOP slow"))
+    adapter, job_id = convert(path, "pdf")
+    deadline = time.monotonic() + 10
+    while adapter.get_job(job_id).status != "processing" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert leftovers(job_id)
+    assert adapter.cancel_job(job_id).status == "canceled"
+    deadline = time.monotonic() + 5
+    while leftovers(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(job_id) == []
+    assert not (root() / "jobs" / job_id / "tmp").exists()
+
+
+def test_without_the_engine_its_channel_is_off_and_says_why(monkeypatch, settings, caplog):
+    from tasks.services.setup import local_engine_ensure
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    channel = local_engine_ensure()
+    assert not channel.enabled
+    assert "local_engine_unavailable" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_business_user_uploads_a_docx_in_the_portal_and_downloads_a_real_pdf(client, system, tenant, tmp_path):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    from tasks.services.tenancy import tenant_user_ensure
+    from tests.conftest import wait_for
+
+    VendorChannel.objects.filter(name="local").update(enabled=True)  # the system fixture's vendor set it aside
+    user, password = tenant_user_ensure(username="eve", tenant=tenant)
+    assert client.login(username="eve", password=password)
+    answer = client.post("/tasks/new/", {
+        "file": SimpleUploadedFile("minutes.docx", documents.docx("Board minutes", pages=2)), "kind": "conversion",
+        "target_format": "pdf", "priority": "interactive",
+    })
+    assert answer.status_code == 302, answer.content[:500]
+    task = Task.objects.get()
+    wait_for(lambda: Task.objects.get(pk=task.pk).state in ("SUCCEEDED", "FAILED"), timeout=120,
+             message="the conversion to finish")
+    task.refresh_from_db()
+    assert task.state == "SUCCEEDED" and task.channel_id == "local", (task.state, task.error_code, task.error_message)
+    download = client.get(f"/tasks/{task.pk}/download/")
+    assert download.status_code == 200 and 'filename="minutes.pdf"' in download["Content-Disposition"]
+    pdf = tmp_path / "minutes.pdf"
+    pdf.write_bytes(b"".join(download.streaming_content))
+    assert pdf.read_bytes()[:5] == b"%PDF-" and pages(pdf) == 2
+    assert "Board minutes" in subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True).stdout
+
+
+def test_the_console_names_the_engine_or_says_it_is_not_installed(client, monkeypatch):
+    from django.urls import reverse
+
+    from console.staff import staff_ensure
+    from tasks import engine as engine_module
+
+    user, password = staff_ensure(username="viewer-engine", role="viewer", actor="test")
+    client.login(username=user.username, password=password)
+    page = client.get(reverse("admin:tasks_vendorchannel_change", args=["local"])).content.decode()
+    assert "LibreOffice 7" in page and "poppler" in page
+    monkeypatch.setattr(engine_module, "installed", lambda: False)
+    page = client.get(reverse("admin:tasks_vendorchannel_change", args=["local"])).content.decode()
+    assert "Engine not installed" in page and "make engine" in page
+
+
+def test_a_document_that_keeps_crashing_the_engine_is_quarantined_as_poison_for_this_engine_version(api, settings):
+    from tasks.lifecycle import transition
+    from tasks.models import Quarantine
+    from tasks.services.quarantine import poison_check
+    from tests.support.flows import submit_file
+
+    content = documents.rtf("a poison document")
+    tasks = []
+    for _ in range(3):
+        task = Task.objects.get(pk=submit_file(api, content, name="poison.rtf", kind="conversion", target="pdf"))
+        transition(task.pk, source="ACCEPTED", target="FAILED", generation=0, actor="test", reason="engine crashed",
+                   fields={"error_code": "engine_crashed", "error_retryable": False, "channel_id": "local"})
+        tasks.append(Task.objects.get(pk=task.pk))
+    entry = poison_check(task=tasks[-1])
+    assert entry is not None and entry.reason == Quarantine.Reason.POISON
+    assert entry.converter_version == engine.engine_version() and entry.converter_version.startswith("LibreOffice")
