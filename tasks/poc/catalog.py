@@ -383,5 +383,26 @@ SCENARIOS += [
 ]
 
 
+SCENARIOS += [
+    Scenario(
+        name="converter-budget",
+        summary="a burst of heavy and normal documents through the local LibreOffice engine: normal ones are not "
+                "starved, no converter budget is exceeded, no temporary file or converter process is left, none lost",
+        tasks=12,
+        workload=[
+            Submit(count=4, kind="conversion", target_format="pdf", priority="batch", content="office_heavy",
+                   label="manual.docx"),
+            Submit(count=8, kind="conversion", target_format="pdf", priority="interactive", content="office_doc",
+                   label="memo.docx"),
+        ],
+        channels={"local": {"enabled": True}, "primary": {"enabled": False}, "fallback": {"enabled": False}},
+        lanes_started=("interactive", "batch", "heavy"),
+        checks=[C.all_succeeded, C.slots_all_released, C.engine_left_nothing,
+                partial(C.normal_documents_not_starved, normal="office_doc", heavy="office_heavy")],
+        live=False,
+    ),
+]
+
+
 def by_name() -> dict[str, Scenario]:
     return {s.name: s for s in SCENARIOS}

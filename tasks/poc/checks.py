@@ -630,3 +630,43 @@ def zombie_killed_in_time(ev: Evidence) -> Result:
     ok = worst <= bound and later > 0
     return Result("zombie_killed_in_time", ok, {"killed": len(kills), "elapsed_s": worst, "starts_after_kill": later},
                   f"elapsed <= {bound}s (execution timeout + grace), starts after > 0")
+
+
+def engine_left_nothing(ev: Evidence) -> Result:
+    """Every converter of the run is gone and its temporary files with it."""
+    from tasks.models import VendorJob
+    from tasks.vendors.local import root
+
+    ids = list(VendorJob.objects.filter(task_id__in=[a.id for a in ev.ctx.accepted], channel_id="local")
+               .values_list("vendor_job_id", flat=True))
+    temp = [j for j in ids if (root() / "jobs" / j / "tmp").exists()]
+    running = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        running += [j for j in ids if j.encode() in cmdline]
+    return Result("engine_left_nothing", bool(ids) and not temp and not running,
+                  {"engine_jobs": len(ids), "temp_dirs": len(temp), "converters_running": len(running)},
+                  "jobs > 0, temp dirs == 0, converters == 0")
+
+
+def normal_documents_not_starved(ev: Evidence, *, normal: str, heavy: str) -> Result:
+    """Normal documents keep converting while heavy ones hold the engine: each started before the
+    last heavy one finished (they were not queued behind the whole heavy burst)."""
+    def times(content: str) -> list[tuple[Any, Any]]:
+        rows = []
+        for accepted in ev.ctx.accepted:
+            task = ev.tasks.get(accepted.id)
+            if accepted.spec.content == content and task is not None:
+                rows.append((task.started_at, task.finished_at))
+        return rows
+
+    heavy_ends = [end for _, end in times(heavy) if end]
+    normal_starts = [start for start, _ in times(normal)]
+    late = [s for s in normal_starts if s is None or (heavy_ends and s > max(heavy_ends))]
+    return Result("normal_documents_not_starved", bool(heavy_ends) and bool(normal_starts) and not late, len(late),
+                  "== 0 normal documents started after the heavy burst ended")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tasks.poc import files
+from tasks.poc import documents, files
 from tasks.precheck import hostile
 
 GENERATORS: dict[str, Callable[[bytes], bytes]] = {
@@ -15,6 +15,8 @@ GENERATORS: dict[str, Callable[[bytes], bytes]] = {
     "pdf": lambda m: files.with_marker(files.pdf(3), m),
     "pdf_heavy": lambda m: files.with_marker(files.pdf(320), m),  # heavy lane by page count
     "docx": lambda m: files.docx(),
+    "office_doc": lambda m: documents.docx(f"Sluice memo {m.hex()}", pages=2),  # a real document for the engine
+    "office_heavy": lambda m: documents.docx(f"Sluice manual {m.hex()}", pages=320),  # heavy lane by page count
     "text": lambda m: files.with_marker(files.text(4000), m),
     "text_big": lambda m: files.with_marker(files.text(200_000), m),
     "truncated_pdf": lambda m: files.truncated_pdf(),

@@ -61,6 +61,8 @@ def configure(scenario: Scenario, *, vendor_url: str | None) -> dict[str, str]:
         values = dict(scenario.channels.get(channel.name, {}))
         if vendor_url and channel.name in ("primary", "fallback"):
             values["base_url"] = f"{vendor_url}/{channel.name}"
+        if channel.name == "local" and "local" not in scenario.channels:
+            values["enabled"] = False  # the fake vendor serves the fault scenarios; converter-budget uses the engine
         if values:
             VendorChannel.objects.filter(pk=channel.pk).update(**values)
         from tasks.vendors.breaker import reset_retry_budget
