@@ -18,7 +18,7 @@ from django.utils.safestring import mark_safe
 
 from console.admin_site import site
 from console.auditing import Audited
-from console.bulk import ErrorCodeNone
+from console.inputs import ERROR_CODE_NONE
 from console.models import BulkOperation, PocRun
 from console.roles import role_of
 from tasks import selectors, wording
@@ -93,12 +93,12 @@ class ErrorCodeFilter(admin.SimpleListFilter):
 
     def lookups(self, request, model_admin):
         codes = Task.objects.exclude(error_code="").order_by().values_list("error_code", flat=True).distinct()[:50]
-        return [(c, c) for c in codes] + [(ErrorCodeNone, "none")]
+        return [(c, c) for c in codes] + [(ERROR_CODE_NONE, "none")]
 
     def queryset(self, request, queryset):
         if not self.value():
             return queryset
-        return queryset.filter(error_code="" if self.value() == ErrorCodeNone else self.value())
+        return queryset.filter(error_code="" if self.value() == ERROR_CODE_NONE else self.value())
 
 
 class WaitingFilter(admin.SimpleListFilter):
@@ -371,10 +371,16 @@ class TaskAdmin(ReadOnly):
 class QuarantineAdmin(ReadOnly):
     list_display = ("id", "tenant", "reason", "detector_version", "created_at", "expires_at", "status")
     list_filter = ("reason", ("tenant", admin.RelatedOnlyFieldListFilter))
-    readonly_fields = ("tenant", "reason", "detector_version", "converter_version", "findings", "created_at", "expires_at",
-                       "released_at", "released_by", "purged_at", "sha256")
-    exclude = ("file", "release_params")
+    readonly_fields = ("tenant", "reason", "detector_version", "converter_version", "findings_readable", "created_at",
+                       "expires_at", "released_at", "released_by", "purged_at", "sha256")
+    exclude = ("file", "release_params", "findings")  # shown readable above and in findings_readable
     change_form_template = "console/quarantine_change_form.html"
+
+    @admin.display(description="findings")
+    def findings_readable(self, obj: Quarantine):
+        from tasks.templatetags.sluice import readable
+
+        return readable({k: v for k, v in (obj.findings or {}).items() if k != "notes"})
 
     @admin.display(description="status")
     def status(self, obj: Quarantine):

@@ -13,7 +13,7 @@ from django.http import HttpRequest, QueryDict
 from django.urls import reverse
 from django.utils import timezone
 
-from console.inputs import uuid_list
+from console.inputs import ERROR_CODE_NONE, uuid_list
 from console.models import BulkOperation
 from tasks.models import LedgerEntry, Quarantine, Task
 from tasks.queueing import send
@@ -77,7 +77,7 @@ def describe(filter_params: dict[str, Any]) -> str:
         if key in ("tenant__id__exact", "tenant__pk__exact"):
             tenant = Tenant.objects.filter(pk=value).first() if value.isdigit() or len(value) > 8 else None
             parts.append(f"of tenant {tenant.name if tenant else value}")
-        elif key == "error_code" and value == ErrorCodeNone:
+        elif key == "error_code" and value == ERROR_CODE_NONE:
             parts.append("failed without an error code")
         elif key == "channel__isnull":
             parts.append("with no channel" if value.lower() in ("true", "1") else "with a channel")
@@ -89,8 +89,6 @@ def describe(filter_params: dict[str, Any]) -> str:
             parts.append(f"{key}={value}")
     return "tasks " + ", ".join(parts) if parts else "every task"
 
-
-ErrorCodeNone = "(none)"
 
 
 def skip_reasons(action: str, queryset: QuerySet[Task], params: dict | None = None) -> tuple[QuerySet[Task], Counter]:

@@ -13,6 +13,9 @@ from django.template.response import TemplateResponse
 from django.utils.dateparse import parse_datetime
 from django.utils.timezone import is_naive, make_aware
 
+# The error-code filter's value for tasks that have no error code.
+ERROR_CODE_NONE = "(none)"
+
 
 class BadInput(ValueError):
     """A console parameter that cannot be used; the message says what to send instead."""
