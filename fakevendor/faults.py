@@ -51,7 +51,9 @@ PARAMETERS: dict[str, tuple[Param, ...]] = {
     "stall": (Param("ms", example=30000, help="hold the request, then close without answering"),),
     "dribble": (Param("chunks", "integer", True, 5, help="the answer in this many pieces"),
                 Param("total_ms", required=True, example=3000, help="spread over this long")),
-    "bandwidth": (Param("bytes_per_s", required=True, example=100000, help="both directions"),),
+    "bandwidth": (Param("bytes_per_s", required=True, example=100000),
+                  Param("direction", "choice", example="both", choices=("both", "upstream", "downstream"),
+                        help="upstream: the request body; downstream: the answer")),
     "http_error": (Param("status", "integer", True, 503, help="400-599"), Param("code", "text", help="error code in the body")),
     "rate_limit": (Param("status", "choice", example=429, choices=(429, 503)),
                    Param("retry_after_s", example=5, help="Retry-After seconds"),
@@ -148,6 +150,8 @@ def validate_params(kind: str, params: dict[str, Any]) -> None:
         _number(params, "total_ms", required=True)
     elif kind == "bandwidth":
         _number(params, "bytes_per_s", required=True, minimum=1)
+        if params.get("direction", "both") not in ("both", "upstream", "downstream"):
+            raise RuleError("params.direction", "must be both, upstream or downstream")
     elif kind == "http_error":
         _number(params, "status", required=True, minimum=400, integer=True)
         if params["status"] > 599:

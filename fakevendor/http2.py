@@ -33,6 +33,7 @@ from h2.settings import SettingCodes
 from hyperframe.frame import GoAwayFrame
 
 from fakevendor.errors import Aborted, ClientGone
+from fakevendor.pacing import paced
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 READ_SIZE = 64 * 1024
@@ -103,6 +104,7 @@ class H2Stream:
         *,
         dribble: tuple[int, float] | None = None,
         close: bool = False,
+        bytes_per_s: float | None = None,
     ) -> None:
         size = body.stat().st_size if isinstance(body, Path) else len(body)
         all_headers = [
@@ -114,6 +116,12 @@ class H2Stream:
         self.answered = True
         await self.session.send_headers(self.stream_id, all_headers, end_stream=size == 0)
         if not size:
+            return
+        if bytes_per_s:
+            sent = 0
+            async for piece in paced(body, bytes_per_s):
+                sent += len(piece)
+                await self.session.send_data(self.stream_id, piece, end_stream=sent >= size)
             return
         if isinstance(body, Path):
             with open(body, "rb") as handle:

@@ -32,9 +32,11 @@ from fakevendor.config import ChannelConfig, ServerConfig
 from fakevendor.errors import Aborted, ClientGone
 from fakevendor.faults import Decision, FaultEngine, RequestFacts, RuleError
 from fakevendor.http2 import PREFACE, H2Session, H2Stream
+from fakevendor.pacing import paced
 from fakevendor.store import Store
 
 READ_SIZE = 64 * 1024
+
 MAX_JSON_BODY = 1024 * 1024
 
 
@@ -162,12 +164,21 @@ class Connection:
         *,
         dribble: tuple[int, float] | None = None,
         close: bool = False,
+        bytes_per_s: float | None = None,
     ) -> None:
         size = body.stat().st_size if isinstance(body, Path) else len(body)
         all_headers = [*headers, ("Content-Length", str(size)), ("Date", formatdate(usegmt=True))]
         if close:
             all_headers.append(("Connection", "close"))
         self._write(h11.Response(status_code=status, headers=all_headers, reason=_reason(status)))
+        if bytes_per_s:
+            # A bandwidth limit on the answer: pieces of a twentieth of a second's worth.
+            async for piece in paced(body, bytes_per_s):
+                self._write(h11.Data(data=piece))
+                await self.writer.drain()
+            self._write(h11.EndOfMessage())
+            await self.writer.drain()
+            return
         if isinstance(body, Path) and dribble:
             body = body.read_bytes()
         if isinstance(body, Path):
@@ -456,10 +467,13 @@ class FakeVendor:
         if limited is not None:
             await self._discard_body(conn, request)
             return await self._rate_limit_answer(conn, request, retry_after_s=limited, status=429), "rate_limited"
-        bandwidth = None
+        bandwidth = down_bandwidth = None
         reset_after = None
         if wire and wire.type == "bandwidth":
-            bandwidth = wire.params["bytes_per_s"] / self.config.time_scale
+            rate = wire.params["bytes_per_s"] / self.config.time_scale
+            direction = wire.params.get("direction", "both")
+            bandwidth = rate if direction in ("upstream", "both") else None  # the request body
+            down_bandwidth = rate if direction in ("downstream", "both") else None  # the answer
         if wire and wire.type == "reset" and wire.params.get("stage") == "mid_body":
             reset_after = int(wire.params["after_bytes"])
         if request.dialect == "assemblyai":
@@ -498,8 +512,9 @@ class FakeVendor:
                                       size=int(params.get("average_size", 1)), variation=int(params.get("size_variation", 0)),
                                       delay_s=self.scaled(params.get("delay_ms", 1000)), rng=wire.rng)
             return status, "slicer"
-        await conn.respond(status, self._headers(request.channel, channel, headers), body, dribble=dribble)
-        return status, "dribble" if dribble else "ok"
+        await conn.respond(status, self._headers(request.channel, channel, headers), body, dribble=dribble,
+                           bytes_per_s=down_bandwidth)
+        return status, "dribble" if dribble else "bandwidth" if down_bandwidth else "ok"
 
     async def _wire_before(
         self, conn: Wire, request: Request, wire: Decision, channel: ChannelConfig

@@ -97,6 +97,31 @@ def test_bandwidth_limits_how_fast_an_upload_is_read(fake, http):
     assert time.monotonic() - started >= 200_000 / (50_000 / SCALE) * 0.8
 
 
+def test_bandwidth_on_the_answer_paces_a_download_and_direction_chooses_the_side(fake, http):
+    up = upload(http).json()
+    for index in range(6):
+        create(http, up["upload_id"], key=f"k{index}", client_ref=f"ref-{index}")
+    size = len(http.get("/v1/usage").content)
+    rate = 100 / SCALE  # bytes per second, as the rule's 100 B/s is scaled like every duration
+
+    def download() -> tuple[int, int, float]:
+        received, pieces, started = 0, 0, time.monotonic()
+        with http.stream("GET", "/v1/usage") as response:
+            for chunk in response.iter_raw():
+                received += len(chunk)
+                pieces += 1
+        return received, pieces, time.monotonic() - started
+
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "bandwidth", "params": {"bytes_per_s": 100, "direction": "downstream"}})
+    received, pieces, elapsed = download()
+    assert received == size and pieces >= 3 and elapsed >= size / rate * 0.8
+    fake.clear_rules()
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "bandwidth", "params": {"bytes_per_s": 100, "direction": "upstream"}})
+    received, _, fast = download()
+    assert received == size and fast < elapsed / 2
+    assert fake.journal()[-1]["outcome"] == "ok"
+
+
 def test_http_error_with_status_code_and_body(fake, http):
     fake.add_rule({"endpoint": "GET /v1/jobs/*", "type": "http_error", "params": {"status": 502, "code": "bad_gateway"}})
     answer = http.get("/v1/jobs/job_x")

@@ -53,6 +53,20 @@ def test_the_vendor_contract_over_http2(fake, h2):
     assert fake.journal()[-1]["protocol"] == "HTTP/1.1"
 
 
+def test_bandwidth_paces_an_answer_over_http2_too(fake, h2):
+    from tests.conftest import TEST_TIME_SCALE
+
+    up = upload(h2).json()
+    for index in range(6):
+        create(h2, up["upload_id"], key=f"k{index}", client_ref=f"ref-{index}")
+    size = len(h2.get("/v1/usage").content)
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "bandwidth", "params": {"bytes_per_s": 100, "direction": "downstream"}})
+    started = time.monotonic()
+    answer = h2.get("/v1/usage")
+    assert answer.http_version == "HTTP/2" and len(answer.content) == size
+    assert time.monotonic() - started >= size / (100 / TEST_TIME_SCALE) * 0.8
+
+
 def test_a_stalled_stream_does_not_hold_up_the_others_on_its_connection(fake, vendor_server):
     fake.add_rule({"endpoint": "GET /v1/jobs", "match": {"client_ref": "slow"}, "type": "stall", "params": {"ms": None}})
 
