@@ -40,6 +40,7 @@ TARGETS = {
     "peak_rss_mb": 100,
     "polls_per_task_minute": 2,
     "interactive_p95_wait_s_under_flood": 1.0,
+    "convert_vs_bare": 2.0,
 }
 PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
 MATRIX_WORKERS = tuple(int(w) for w in os.environ.get("SLUICE_BENCH_MATRIX_WORKERS", "1,2,4,8").split(","))
@@ -171,6 +172,56 @@ class Bench:
         self.figures["pipeline_tps"] = round(succeeded / elapsed, 2)
         self.figures["pipeline_tasks"] = count
         self.figures["pipeline_stages_median_s"] = self._stages(ids)
+
+    def convert(self) -> None:
+        """Documents through Sluice's local engine against a bare loop of `soffice --convert-to pdf`
+        on the same files, one after the other (what a script would do)."""
+        from tasks import engine
+        from tasks.poc import documents
+
+        if not engine.installed():
+            self.log("convert: LibreOffice or poppler not installed (make engine); skipped")
+            return
+        count = 8 if self.quick else 24
+        self.log(f"convert: {count} documents through the local engine and through a bare soffice loop")
+        VendorChannel.objects.filter(name="local").update(enabled=True)
+        docs = [documents.docx(f"Bench document {i} {uuid.uuid4().hex}", pages=3) for i in range(count)]
+        bare_dir = self.workdir / "bare-convert"
+        bare_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        for index, content in enumerate(docs):
+            source = bare_dir / f"doc-{index}.docx"
+            source.write_bytes(content)
+            subprocess.run([engine.soffice(), "--headless", f"-env:UserInstallation=file://{bare_dir}/profile",
+                            "--convert-to", "pdf", "--outdir", str(bare_dir), str(source)],
+                           capture_output=True, timeout=300, check=True)
+        bare = time.monotonic() - started
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            file_ids = []
+            for content in docs:
+                answer = client.post(f"{self.web_url}/api/v1/files", content=content, headers={
+                    **self.headers, "Content-Type": "application/octet-stream", "X-Filename": "bench.docx"})
+                answer.raise_for_status()
+                file_ids.append(answer.json()["id"])
+            started = time.monotonic()
+            ids = []
+            for file_id in file_ids:
+                answer = client.post(f"{self.web_url}/api/v1/tasks", headers={**self.headers, "Idempotency-Key": uuid.uuid4().hex},
+                                     json={"file_id": file_id, "kind": "conversion", "target_format": "pdf",
+                                           "priority": "interactive"})
+                answer.raise_for_status()
+                ids.append(answer.json()["id"])
+        deadline = started + 600
+        while time.monotonic() < deadline and Task.objects.filter(pk__in=ids, state__in=TERMINAL_STATES).count() < count:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - started
+        done = list(Task.objects.filter(pk__in=ids, state=State.SUCCEEDED, channel_id="local"))
+        latencies = sorted((t.finished_at - t.created_at).total_seconds() for t in done)
+        self.figures["convert_docs_per_min"] = round(len(done) / elapsed * 60, 1)
+        self.figures["bare_convert_docs_per_min"] = round(count / bare * 60, 1)
+        self.figures["convert_p95_s"] = round(latencies[int(0.95 * (len(latencies) - 1))], 2) if latencies else None
+        self.figures["convert_documents"] = count
+        VendorChannel.objects.filter(name="local").update(enabled=False)
 
     def _stages(self, ids: list[str]) -> dict[str, float]:
         """Median seconds a task spent between its states: where the pipeline's time goes."""
@@ -447,7 +498,7 @@ class Bench:
             if wanted("raw_q2"):
                 self.raw_q2()
             self.start_workers()
-            for section in ("vendor_loop", "pipeline", "polls", "isolation"):
+            for section in ("vendor_loop", "pipeline", "polls", "isolation", "convert"):
                 if wanted(section):
                     getattr(self, section)()
             self.stop_workers()
@@ -467,6 +518,7 @@ def ratios(f: dict[str, Any]) -> dict[str, Any]:
     f["pipeline_vs_vendor_loop"] = ratio("pipeline_tps", "bare_vendor_loop_tps")
     f["upload_ratio"] = ratio("upload_mb_s", "curl_upload_mb_s")
     f["intake_upload_ratio"] = ratio("intake_upload_mb_s", "curl_upload_mb_s")
+    f["convert_vs_bare"] = ratio("convert_docs_per_min", "bare_convert_docs_per_min")
     return f
 
 
@@ -487,10 +539,11 @@ def verdicts(figures: dict[str, Any]) -> dict[str, bool | None]:
         "polls_per_task_minute": at_most("polls_per_task_minute", TARGETS["polls_per_task_minute"]),
         "interactive_p95_wait_s_under_flood": at_most("interactive_p95_wait_s_under_flood",
                                                       TARGETS["interactive_p95_wait_s_under_flood"]),
+        "convert_vs_bare": at_least("convert_vs_bare", TARGETS["convert_vs_bare"]),
     }
 
 
-SECTIONS = ("uploads", "raw_q2", "vendor_loop", "pipeline", "polls", "isolation", "intake", "matrix")
+SECTIONS = ("uploads", "raw_q2", "vendor_loop", "pipeline", "polls", "isolation", "convert", "intake", "matrix")
 
 
 def run_child(workdir: Path, *, quick: bool, out: Path, only: set[str] | None = None) -> None:

@@ -31,6 +31,7 @@ ROWS = [
     ("peak RSS web / worker (MB)", "web_peak_rss_mb", "worker_peak_rss_mb", "peak_rss_mb"),
     ("status requests per task-minute", "polls_per_task_minute", None, "polls_per_task_minute"),
     ("interactive p95 wait under flood (s)", "interactive_p95_wait_s_under_flood", None, "interactive_p95_wait_s_under_flood"),
+    ("convert (documents/min vs bare soffice loop)", "convert_docs_per_min", "bare_convert_docs_per_min", "convert_vs_bare"),
 ]
 
 
