@@ -39,12 +39,13 @@ browser:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# Debian's LibreOffice (writer, calc, impress, without GUI) and poppler: the local conversion engine.
+# Debian's LibreOffice (writer, calc, impress, without GUI), poppler, and python3-uno for the warm
+# converters: the local conversion engine.
 engine:
-	@if command -v soffice >/dev/null 2>&1 && command -v pdftotext >/dev/null 2>&1; then :; else \
+	@if command -v soffice >/dev/null 2>&1 && command -v pdftotext >/dev/null 2>&1 && /usr/bin/python3 -c "import uno" 2>/dev/null; then :; else \
 	  echo "installing Debian's LibreOffice and poppler-utils for the local conversion engine"; \
 	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui poppler-utils fonts-dejavu-core >/dev/null \
+	    libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui poppler-utils python3-uno fonts-dejavu-core >/dev/null \
 	  || echo "could not install LibreOffice: conversions go to the vendor channels (the console says so)"; fi
 
 test: install browser engine test-sqlite test-distributed

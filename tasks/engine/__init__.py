@@ -20,6 +20,14 @@ IMPRESS = ("pptx", "ppt", "odp")
 TARGETS = ("pdf", "html", "txt", "md")
 
 
+class ConversionFailed(Exception):
+    """A conversion that did not produce its result; `code` classifies why (engine_timeout, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 def soffice() -> str | None:
     return shutil.which("soffice") or shutil.which("libreoffice")
 

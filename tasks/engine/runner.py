@@ -26,18 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from tasks import engine
+from tasks.engine import ConversionFailed
 
 CONTENT_TYPES = {"pdf": "application/pdf", "html": "text/html", "txt": "text/plain", "md": "text/markdown"}
 OFFICE_FILTERS = {"pdf": "pdf", "html": "html", "txt": "txt:Text (encoded):UTF8"}
 # Test documents may carry these markers to stand for a document that hangs or eats the engine
 # (only where the job's request allows it: tests).
 TEST_MARKERS = {b"SLUICE-ENGINE-LOOP": "loop", b"SLUICE-ENGINE-ALLOCATE": "allocate", b"SLUICE-ENGINE-CRASH": "crash"}
-
-
-class ConversionFailed(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def write_status(job_dir: Path, **status: Any) -> None:
@@ -130,6 +125,17 @@ def convert(request: dict[str, Any], job_dir: Path) -> Path:
                 run_limited(_test_command(kind), limits=limits, deadline=deadline, tmp=tmp)
     current = work
     for step in steps:
+        if step == "office-pdf" and request.get("warm"):
+            from tasks.engine import warm
+
+            settings = request["warm"]
+            dest = tmp / "out-warm.pdf"
+            if warm.convert(current, dest, extension=extension, root=job_dir.parent.parent, lane=settings["lane"],
+                            pool=settings["pool"], limits=limits, recycle_after=settings["recycle_after"],
+                            idle_s=settings["idle_s"], deadline=deadline):
+                current = dest
+                request["_converter"] = "warm"
+                continue
         current = _step(step, current, target, limits=limits, deadline=deadline, tmp=tmp)
     if target == "pdf" and not current.read_bytes()[:5] == b"%PDF-":
         raise ConversionFailed("engine_crashed", "the engine wrote something that is not a PDF")
@@ -180,24 +186,22 @@ def run(job_dir: Path) -> None:
     try:
         result = convert(request, job_dir)
     except ConversionFailed as failure:
-        if _cancelled(job_dir):
-            return
-        write_status(job_dir, status="failed", error_code=failure.code, error_message=failure.message,
-                     finished_at=time.time())
+        outcome = {"status": "failed", "error_code": failure.code, "error_message": failure.message}
     except Exception as exc:  # the job must end, whatever broke
-        if _cancelled(job_dir):
-            return
-        write_status(job_dir, status="failed", error_code="engine_crashed", error_message=type(exc).__name__,
-                     finished_at=time.time())
+        outcome = {"status": "failed", "error_code": "engine_crashed", "error_message": type(exc).__name__}
     else:
         digest = hashlib.sha256()
         with open(result, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
-        write_status(job_dir, status="completed", result=result.name, sha256=digest.hexdigest(), size=result.stat().st_size,
-                     content_type=CONTENT_TYPES[request["target"]], finished_at=time.time())
+        outcome = {"status": "completed", "result": result.name, "sha256": digest.hexdigest(),
+                   "size": result.stat().st_size, "content_type": CONTENT_TYPES[request["target"]],
+                   "converter": request.get("_converter", "cold")}
     finally:
+        # Before the final status: whoever sees the job ended sees its temporary files gone.
         shutil.rmtree(job_dir / "tmp", ignore_errors=True)
+    if not _cancelled(job_dir):  # a cancel's "canceled" stands (the kill is why the step failed)
+        write_status(job_dir, **outcome, finished_at=time.time())
 
 
 def _cancelled(job_dir: Path) -> bool:

@@ -141,6 +141,7 @@ class LocalEngineAdapter:
             "client_ref": request.operation.client_ref, "idempotency_key": request.operation.idempotency_key,
             "input_sha256": request.sha256, "limits": budget_for(self.lane), "engine_version": engine.engine_version(),
             "created_at": time.time(), "test_markers": bool(settings.ENGINE_TEST_MARKERS),
+            "warm": _warm_settings(self.lane),
         }))
         (staging / "status.json").write_text(json.dumps({"status": "queued"}))
         try:
@@ -165,10 +166,12 @@ class LocalEngineAdapter:
         job_dir = self._dir(job_id, "cancel_job")
         status = _status(job_dir)
         if status.get("status") in ("queued", "processing"):
-            for pid in (status.get("pid"), status.get("child_pid")):  # the runner, then the converter's group
-                if _alive(pid, job_dir):  # its command line names the job: not a reused pid
+            # The runner first (so it cannot report the kill as a failure), then the converter's
+            # whole group (it leads its own session); each only if it is this job's, not a reused pid.
+            for pid, kill in ((status.get("pid"), os.kill), (status.get("child_pid"), os.killpg)):
+                if _alive(pid, job_dir):
                     try:
-                        os.killpg(pid, signal.SIGKILL)
+                        kill(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
             from tasks.engine.runner import write_status
@@ -242,6 +245,15 @@ class LocalEngineAdapter:
                                                                if status.get("error_message") else None),
             error_retryable=False, billing_units=0, billing_unit="document", amount_cents=0,
         )
+
+
+def _warm_settings(lane: str | None) -> dict[str, Any] | None:
+    """How this lane's conversions use warm converters (None: each starts its own LibreOffice)."""
+    pool = settings.ENGINE_WARM_POOL.get(lane or "interactive", 0)
+    if pool <= 0:
+        return None
+    return {"lane": lane or "interactive", "pool": pool, "recycle_after": settings.ENGINE_WARM_RECYCLE_AFTER,
+            "idle_s": settings.ENGINE_WARM_IDLE_S}
 
 
 def _status(job_dir: Path) -> dict[str, Any]:

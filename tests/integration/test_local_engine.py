@@ -228,3 +228,39 @@ def test_a_document_that_keeps_crashing_the_engine_is_quarantined_as_poison_for_
     entry = poison_check(task=tasks[-1])
     assert entry is not None and entry.reason == Quarantine.Reason.POISON
     assert entry.converter_version == engine.engine_version() and entry.converter_version.startswith("LibreOffice")
+
+
+def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, settings):
+    from tasks.engine import warm
+
+    if not warm.available():
+        pytest.fail("Debian's python3-uno is missing: run `make engine` (make test and make run do).")
+    settings.ENGINE_WARM_RECYCLE_AFTER = 2
+    settings.ENGINE_WARM_IDLE_S = 2.0
+    settings.ENGINE_WARM_POOL = {**settings.ENGINE_WARM_POOL, "interactive": 1}
+    slot = root() / "warm" / "interactive" / "0"
+    for lane_slot in (root() / "warm").glob("*/*"):
+        warm.kill(lane_slot)  # instances of earlier tests were started with other settings
+    instances = []
+    for index in range(3):
+        path = tmp_path / f"memo-{index}.docx"
+        path.write_bytes(documents.docx(f"Warm memo {index}", pages=2))
+        adapter, job_id = convert(path, "pdf", lane="interactive")
+        view = finished(adapter, job_id)
+        assert view.status == "completed", view
+        status = __import__("json").loads((root() / "jobs" / job_id / "status.json").read_text())
+        assert status["converter"] == "warm"
+        out = tmp_path / f"memo-{index}.pdf"
+        adapter.fetch_result(job_id, out, target_format="pdf")
+        assert pages(out) == 2
+        instances.append(__import__("json").loads((slot / "state.json").read_text())["soffice_pid"])
+        if index == 1:  # used up: the supervisor retires it once it is free
+            deadline = time.monotonic() + 5
+            while (slot / "state.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+    assert instances[0] == instances[1] != instances[2]
+    deadline = time.monotonic() + 10  # idle: it ends by itself, its group and profile with it
+    while (slot / "state.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not (slot / "state.json").exists() and not (slot / "profile").exists()
+    assert not Path(f"/proc/{instances[2]}").exists() or b"soffice" not in Path(f"/proc/{instances[2]}/cmdline").read_bytes()

@@ -1,0 +1,225 @@
+"""Warm converters: a small pool of running LibreOffice processes per lane, so a conversion costs
+the conversion, not LibreOffice's start (as unoserver does).
+
+A slot is a directory under SLUICE_DATA_DIR/engine/warm/<lane>/<n>/. A converter process takes a
+slot by an exclusive lock on its `lock` file (so slots hold across processes), starts the slot's
+instance if none runs, converts over UNO with Debian's python3 (`uno_convert.py`) under the
+conversion's wall clock, and lets the slot go. Each instance runs under a supervisor
+(`python -m tasks.engine.warm SLOT ...`) that starts LibreOffice in its own process group with an
+address-space and output-size limit and no network (as root), and ends it — the whole group —
+after `recycle_after` conversions, when it has been idle for `idle_s`, or when a conversion
+overran (the converter kills the supervisor's group then). Only PDF exports of word-processing,
+spreadsheet and presentation documents go warm; everything else, and every conversion when
+Debian's python3-uno is missing, takes the cold path (one LibreOffice per conversion).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tasks import engine
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+CLIENT = Path(__file__).with_name("uno_convert.py")
+FILTERS = {"writer": "writer_pdf_Export", "calc": "calc_pdf_Export", "impress": "impress_pdf_Export"}
+START_S = 20.0  # how long a fresh instance may take to accept connections
+
+
+def family(extension: str) -> str | None:
+    ext = extension.lower()
+    if ext in engine.WRITER:
+        return "writer"
+    if ext in engine.CALC:
+        return "calc"
+    if ext in engine.IMPRESS:
+        return "impress"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Debian's python3 can drive LibreOffice over UNO (python3-uno is installed)."""
+    if not (engine.installed() and Path(SYSTEM_PYTHON).exists()):
+        return False
+    try:
+        return subprocess.run([SYSTEM_PYTHON, "-c", "import uno"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _state(slot: Path) -> dict[str, Any]:
+    try:
+        return json.loads((slot / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(slot: Path, **values: Any) -> None:
+    state = {**_state(slot), **values}
+    temp = slot / f".state.{os.getpid()}"
+    temp.write_text(json.dumps(state))
+    os.replace(temp, slot / "state.json")
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        return b"tasks.engine.warm" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def kill(slot: Path) -> None:
+    """End the slot's instance: its supervisor's whole group (LibreOffice runs in its own)."""
+    state = _state(slot)
+    # LibreOffice leads its own group; the supervisor (a daemon, not a group leader) is one process.
+    for pid, kill_one in ((state.get("soffice_pid"), os.killpg), (state.get("supervisor_pid"), os.kill)):
+        if pid and (kill_one is os.killpg or _alive(pid)):
+            try:
+                kill_one(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    (slot / "state.json").unlink(missing_ok=True)
+
+
+def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, pool: int, limits: dict[str, int],
+            recycle_after: int, idle_s: float, deadline: float) -> bool:
+    """Convert in a warm instance of this lane; False when none can take it (the caller goes cold).
+    Raises runner.ConversionFailed when the conversion itself fails or overruns."""
+    from tasks.engine import ConversionFailed
+
+    kind = family(extension)
+    if kind is None or pool <= 0 or not available():
+        return False
+    for index in range(pool):
+        slot = root / "warm" / lane / str(index)
+        slot.mkdir(parents=True, exist_ok=True)
+        with open(slot / "lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another conversion holds this instance
+            state = _state(slot)
+            if not _alive(state.get("supervisor_pid")):
+                _start(slot, limits=limits, recycle_after=recycle_after, idle_s=idle_s)
+                state = _state(slot)
+            pipe = state.get("pipe")
+            if not pipe:
+                return False
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    kill(slot)
+                    raise ConversionFailed("engine_timeout", f"the conversion took longer than its {limits['wall_s']} s")
+                try:
+                    done = subprocess.run([SYSTEM_PYTHON, str(CLIENT), pipe, str(source), str(dest), FILTERS[kind]],
+                                          capture_output=True, timeout=remaining, env={"PATH": "/usr/bin:/bin", "HOME": str(slot)})
+                except subprocess.TimeoutExpired:
+                    kill(slot)  # an instance stuck on a document is not reused
+                    raise ConversionFailed("engine_timeout",
+                                           f"the conversion took longer than its {limits['wall_s']} s") from None
+                if done.returncode == 3 and time.time() - _state(slot).get("started_at", 0) < START_S:
+                    time.sleep(0.1)  # still starting
+                    continue
+                break
+            if done.returncode != 0 or not dest.exists():
+                crashed = not _alive(_state(slot).get("supervisor_pid")) or done.returncode == 3
+                kill(slot)
+                reason = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+                raise ConversionFailed("engine_out_of_memory" if b"bad_alloc" in done.stderr else "engine_crashed",
+                                       "LibreOffice failed on the document" + (" and ended" if crashed else "")
+                                       + f" ({reason[0][:200]})")
+            _write_state(slot, conversions=_state(slot).get("conversions", 0) + 1, last_used=time.time())
+            return True
+    return False
+
+
+def _start(slot: Path, *, limits: dict[str, int], recycle_after: int, idle_s: float) -> None:
+    kill(slot)
+    pipe = f"sluice-{os.getpid()}-{time.monotonic_ns()}"
+    _write_state(slot, pipe=pipe, started_at=time.time(), last_used=time.time(), conversions=0)
+    subprocess.run([sys.executable, "-m", "tasks.engine.warm", str(slot), pipe, str(limits["memory_mb"]),
+                    str(limits["output_mb"]), str(recycle_after), str(idle_s)],
+                   cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=30, check=False)
+
+
+def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: int, idle_s: float) -> None:
+    """The supervisor: run the slot's LibreOffice until it is used up, idle, or gone."""
+    from tasks.engine.runner import _isolated, _limits
+
+    profile = slot / "profile"
+    command = _isolated([engine.soffice(), "--headless", "--invisible", "--nologo", "--norestore", "--nodefault",
+                         "--nolockcheck", f"-env:UserInstallation=file://{profile}",
+                         f"--accept=pipe,name={pipe};urp;StarOffice.ComponentContext"])
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(slot), "LANG": "C.UTF-8", "SAL_USE_VCLPLUGIN": "svp"}
+    # CPU is bounded per conversion by its wall clock; the instance's own CPU limit is its whole life's.
+    office = subprocess.Popen(command, cwd=slot, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, preexec_fn=_limits(3600, memory_mb, output_mb))
+    _write_state(slot, supervisor_pid=os.getpid(), soffice_pid=office.pid)
+    try:
+        while office.poll() is None:
+            time.sleep(0.5)
+            state = _state(slot)
+            if state.get("pipe") != pipe:
+                break  # the slot was restarted by someone else
+            used_up = state.get("conversions", 0) >= recycle_after
+            idle = time.time() - state.get("last_used", time.time()) > idle_s
+            if (used_up or idle) and _free(slot):
+                break
+    finally:
+        try:
+            os.killpg(office.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        office.wait()
+        if _state(slot).get("pipe") == pipe:
+            (slot / "state.json").unlink(missing_ok=True)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _free(slot: Path) -> bool:
+    """Retire the slot's instance if nobody is converting in it (its lock is free): under the lock,
+    LibreOffice is killed and the slot's state removed, so the next conversion starts a new one."""
+    with open(slot / "lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        pid = _state(slot).get("soffice_pid")
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        (slot / "state.json").unlink(missing_ok=True)
+        return True
+
+
+def main() -> None:
+    slot, pipe, memory_mb, output_mb, recycle_after, idle_s = sys.argv[1:7]
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    serve(Path(slot), pipe, int(memory_mb), int(output_mb), int(recycle_after), float(idle_s))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
