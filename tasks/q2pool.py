@@ -58,6 +58,9 @@ class WorkerStopping(SystemExit):
 
 
 def _stop_worker(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM (the cluster forwards one, an operator sends another) must not break
+    # off the hand-back the first one started; the cluster's shutdown bound still ends the worker.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise WorkerStopping(0)
 
 

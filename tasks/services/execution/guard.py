@@ -52,7 +52,27 @@ def step_interrupted(task: Task, stop: SystemExit, started: float) -> None:
     log_event("step_killed" if killed else "step_interrupted", logging.WARNING, task_id=task.pk, kind=task.kind,
               generation=task.generation, state=task.state, step=task.phase or None,
               elapsed_s=round(time.monotonic() - started, 3), pid=os.getpid(), host=socket.gethostname())
-    step_handed_back(task)
+    # The signal may have landed inside a query: psycopg then cancels it and closes the
+    # connection, and the hand-back below needs a fresh one (else the lease's expiry is the
+    # only way back, 30 s later).
+    _fresh_connection()
+    try:
+        step_handed_back(task)
+    except Exception as exc:  # the lease's expiry remains the way back; say why this one failed
+        log_event("hand_back_failed", logging.ERROR, task_id=task.pk, reason=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _fresh_connection() -> None:
+    from django.db import connection
+
+    if connection.connection is None:
+        return
+    try:
+        usable = connection.is_usable()
+    except Exception:
+        usable = False
+    if not usable:
+        connection.close()
 
 
 def step_crashed(task: Task, exc: BaseException) -> None:
