@@ -28,6 +28,21 @@ class ConversionFailed(Exception):
         self.code, self.message = code, message
 
 
+def daemonize() -> None:
+    """Detach this process: the one that started it returns at once, and it is nobody's zombie
+    (double fork, its own session, standard streams on /dev/null)."""
+    import os
+
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+
+
 def soffice() -> str | None:
     return shutil.which("soffice") or shutil.which("libreoffice")
 

@@ -214,15 +214,7 @@ def _cancelled(job_dir: Path) -> bool:
 
 def main() -> None:
     job_dir = Path(sys.argv[1])
-    # Detach: the step that started us returns at once, and we are nobody's zombie.
-    if os.fork():
-        os._exit(0)
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
+    engine.daemonize()
     run(job_dir)
     os._exit(0)
 

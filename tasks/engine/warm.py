@@ -209,14 +209,7 @@ def _free(slot: Path) -> bool:
 
 def main() -> None:
     slot, pipe, memory_mb, output_mb, recycle_after, idle_s = sys.argv[1:7]
-    if os.fork():
-        os._exit(0)
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
+    engine.daemonize()
     serve(Path(slot), pipe, int(memory_mb), int(output_mb), int(recycle_after), float(idle_s))
     os._exit(0)
 
