@@ -71,6 +71,10 @@ class VendorControl:
     def journal(self, *, after_seq: int = 0, limit: int = 100000) -> list[dict[str, Any]]:
         return self._call("GET", "/__admin/journal", params={"after_seq": after_seq, "limit": limit})["data"]
 
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The vendor requests being answered right now, oldest first."""
+        return self._call("GET", "/__admin/in-flight")["data"]
+
     def invariants(self) -> dict[str, Any]:
         return self._call("GET", "/__admin/invariants")
 

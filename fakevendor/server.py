@@ -274,7 +274,7 @@ class FakeVendor:
         self.buckets: dict[str, list[float]] = {}
         self.uploads_now: dict[str, int] = {}
         self.uploads_max: dict[str, int] = {}
-        self.in_flight = 0
+        self.requests_now: dict[int, Request] = {}  # being answered now, for /__admin/in-flight
         self.assemblyai = assemblyai.AssemblyAIDialect(self)
         self.server: asyncio.AbstractServer | None = None
         self._callback_client = None
@@ -399,7 +399,7 @@ class FakeVendor:
             return
         outcome = "ok"
         status: int | None = None
-        self.in_flight += 1
+        self.requests_now[id(request)] = request
         try:
             status, outcome = await self._vendor(conn, request)
         except ClientGone:
@@ -413,7 +413,7 @@ class FakeVendor:
             outcome = "cut_off"
             raise
         finally:
-            self.in_flight -= 1
+            self.requests_now.pop(id(request), None)
             self.store.journal(
                 {
                     "at": time.time(), "method": request.method, "path": request.path,
@@ -1107,6 +1107,8 @@ class FakeVendor:
             return 200, [("Content-Type", "application/json")], _json({"data": data})
         if route == ["journal"] and method == "GET":
             return self._journal(request)
+        if route == ["in-flight"] and method == "GET":
+            return 200, [("Content-Type", "application/json")], _json({"data": self.requests_in_flight()})
         if route == ["invariants"] and method == "GET":
             return 200, [("Content-Type", "application/json")], _json(self.invariants())
         if route == ["channels"] and method == "GET":
@@ -1143,6 +1145,17 @@ class FakeVendor:
             for r in rows
         ]
         return 200, [("Content-Type", "application/json")], _json({"data": data})
+
+    def requests_in_flight(self) -> list[dict[str, Any]]:
+        """The vendor requests being answered at this moment (the journal holds them once they end):
+        what a QA engineer looks at to act while a download or an upload is under way."""
+        now = time.monotonic()
+        return [
+            {"method": r.method, "path": r.path, "endpoint": r.endpoint, "channel": r.channel, "job_id": r.job_id,
+             "client_ref": r.client_ref, "rule_id": r.rule_id, "bytes_in": r.bytes_in, "protocol": r.protocol,
+             "age_ms": int((now - r.started) * 1000)}
+            for r in sorted(self.requests_now.values(), key=lambda r: r.started)
+        ]
 
     def invariants(self) -> dict[str, Any]:
         now = time.time()
@@ -1188,7 +1201,7 @@ class FakeVendor:
             "requests_by_endpoint": by_endpoint,
             "requests_per_job": per_job,
             "billed_jobs": ledger["n"],
-            "requests_in_flight": self.in_flight,
+            "requests_in_flight": len(self.requests_now),
             "billed_cents": ledger["cents"],
         }
 

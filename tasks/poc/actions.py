@@ -131,6 +131,24 @@ def cancel_running(*, content: str, phase: str = Task.Phase.POLL, limit: int | N
     return act
 
 
+def cancel_while_downloading(*, content: str, endpoint: str = "GET /v1/jobs/*/result") -> Callable:
+    """Business users cancel their tasks of this content while the vendor is sending them their
+    result (the vendor's own list of requests in flight says so): the download ends after the
+    cancel, so its result must be refused. The tasks are noted in `cancelled_mid_download`."""
+
+    def act(ctx) -> None:
+        downloading = {r["job_id"] for r in ctx.control.in_flight() if r["endpoint"] == endpoint and r["job_id"]}
+        if not downloading:
+            return
+        noted = ctx.notes.setdefault("cancelled_mid_download", [])
+        targets = [a.id for a in ctx.accepted if a.spec.content == content and a.id not in ctx.cancels]
+        for task in Task.objects.filter(pk__in=targets, state=State.RUNNING, vendor_job__vendor_job_id__in=downloading):
+            noted.append(str(task.pk))
+            ctx.cancel(str(task.pk))
+
+    return act
+
+
 def cancel_while_fetching(*, within_nominal_s: float = 5.0) -> Callable:
     """Once a task's worker starts downloading its finished result, cancel it at a seeded moment
     within the next few seconds: the download takes a random time too, so the cancel and the

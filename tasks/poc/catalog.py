@@ -204,21 +204,25 @@ SCENARIOS += [
             {"id": "stuck-once", "endpoint": "POST /v1/jobs", "match": {"kind": "conversion"}, "type": "stuck",
              "params": {"ms": 600_000}, "times": 4},
             {"id": "slow-link", "endpoint": "POST /v1/uploads", "type": "bandwidth", "params": {"bytes_per_s": 400_000}},
-            {"id": "slow-poll", "endpoint": "GET /v1/jobs/*", "type": "delay", "params": {"ms": 40_000}, "times": 6},
+            {"id": "slow-poll", "endpoint": "GET /v1/jobs/*", "type": "delay", "params": {"ms": 80_000}, "times": 6},
+            # The result dribbles in over 10 s: a download that starts within the first 30 s of its
+            # attempt (polls are at most 4 s apart here) ends within the 40 s execution timeout,
+            # so one cancelled meanwhile really does receive its result, which must be refused.
             {"id": "slow-result", "endpoint": "GET /v1/jobs/*/result", "type": "dribble",
-             "params": {"chunks": 5, "total_ms": 14_000}},  # within the 20 s execution timeout
+             "params": {"chunks": 5, "total_ms": 10_000}},
         ],
         vendor_channels={"primary": {"processing_ms": 2000, "cancel_delay_ms": 3000}},
-        channels={"primary": {**ROOMY, "upload_bandwidth_bytes_s": 300_000, "status_timeout_s": 60, "result_timeout_s": 120},
+        channels={"primary": {**ROOMY, "upload_bandwidth_bytes_s": 300_000, "status_timeout_s": 60, "result_timeout_s": 120,
+                              "poll_initial_s": 2, "poll_max_interval_s": 4},
                   "fallback": {"enabled": False}},
-        lanes={"interactive": {"execution_timeout_s": 20}},
+        lanes={"interactive": {"execution_timeout_s": 40}},
         actions=[
             Action("cancel two recordings while the vendor works on them",
                    do=actions.cancel_running(content="wav", limit=2), repeat=True, at_s=0),
             # The others are cancelled while their result dribbles in: the download ends after
             # the cancel, and its result must be refused.
             Action("cancel the other recordings while their result downloads",
-                   do=actions.cancel_running(content="wav", phase="fetch"), repeat=True, at_s=0),
+                   do=actions.cancel_while_downloading(content="wav"), repeat=True, at_s=0),
             Action("SIGKILL a worker in the middle of an upload",
                    do=actions.kill_worker_during("upload", note="killed_mid_upload"), when=actions.a_task_in_phase("upload")),
             Action("SIGKILL a worker in the middle of a poll",

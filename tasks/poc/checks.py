@@ -524,8 +524,15 @@ def cancelled_leave_no_result(ev: Evidence) -> Result:
 
 
 def late_results_rejected(ev: Evidence) -> Result:
-    count = ev.count_events(reason_contains="late result discarded")
-    return Result("late_results_rejected", count > 0, count, "> 0 (a fenced attempt's result came in and was refused)")
+    """Every task cancelled while its result was downloading refused that result when it came in
+    (and at least one was)."""
+    cancelled = ev.ctx.notes.get("cancelled_mid_download", [])
+    refused = [t for t in cancelled if any("late result discarded" in e.reason for e in ev.events.get(t, []))]
+    kept = [t for t in cancelled if ev.tasks.get(t) is not None and ev.tasks[t].result_path]
+    observed = {"cancelled_mid_download": len(cancelled), "late_results_refused": len(refused), "results_kept": len(kept)}
+    ok = bool(cancelled) and len(refused) == len(cancelled) and not kept
+    return Result("late_results_rejected", ok, observed,
+                  "every task cancelled mid-download refused its late result (at least one)")
 
 
 def outcomes_by_content(ev: Evidence, expected: dict[str, tuple[str, ...]]) -> Result:

@@ -423,3 +423,19 @@ def test_journal_records_rule_and_outcome_and_reset_clears_it(fake, http):
     assert entry["rule_id"] == "five" and entry["status"] == 500 and entry["outcome"] == "http_error"
     fake.reset()
     assert fake.journal() == [] and fake.rules() == []
+
+
+def test_in_flight_lists_a_request_while_it_is_answered_and_not_after(fake, http):
+    fake.add_rule({"id": "slow", "endpoint": "GET /v1/jobs", "type": "delay", "params": {"ms": 40_000}})
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (http.get("/v1/jobs", params={"client_ref": "r-9"}, timeout=30), done.set()))
+    worker.start()
+    seen: list[dict] = []
+    deadline = time.monotonic() + 20
+    while not seen and time.monotonic() < deadline and not done.is_set():
+        seen = [r for r in fake.in_flight() if r["endpoint"] == "GET /v1/jobs"]
+        time.sleep(0.01)
+    worker.join(30)
+    assert seen and seen[0]["client_ref"] == "r-9" and seen[0]["rule_id"] == "slow" and seen[0]["age_ms"] >= 0
+    assert not [r for r in fake.in_flight() if r["endpoint"] == "GET /v1/jobs"]
+    assert fake.invariants()["requests_in_flight"] == 0
