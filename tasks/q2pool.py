@@ -90,6 +90,19 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def _alive(pids: set[int]) -> set[int]:
+    """The processes of `pids` still running (a zombie has finished), wherever they now hang."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            alive.add(pid)
+    return alive
+
+
 def _signal_all(pids: set[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -115,9 +128,11 @@ def bounded_stop(cluster: Any, signum: int, frame: Any) -> None:
     _signal_all(workers, signal.SIGTERM)
     if cluster.stop_event is not None:
         threading.Thread(target=cluster.stop_event.set, name="stop-event", daemon=True).start()
-    while time.monotonic() < deadline and (descendants(os.getpid()) & (children | {sentinel.pid if sentinel else -1})):
-        time.sleep(0.1)
-    _signal_all(descendants(os.getpid()) | children, signal.SIGKILL)
+    # Wait for the processes themselves, not for them to be below this one: a sentinel that a
+    # supervisor's SIGTERM ended first leaves its workers orphaned, still handing their steps back.
+    while time.monotonic() < deadline and _alive(children):
+        time.sleep(0.05)
+    _signal_all(descendants(os.getpid()) | _alive(children), signal.SIGKILL)
     # Not sys.exit: multiprocessing's exit handler would join the sentinel, which may never end.
     os._exit(0)
 
