@@ -559,6 +559,24 @@ class VendorChannelForm(forms.ModelForm):
         value = self.cleaned_data.get("webhook_secret")
         return value or (self.instance.webhook_secret if self.instance and self.instance.pk else "")
 
+    def clean_lane_slots(self):
+        from tasks.models import Lane
+        from tasks.scheduling.budgets import lane_rows
+
+        value = self.cleaned_data.get("lane_slots") or {}
+        example = 'Give a JSON object of lanes and jobs at once, e.g. {"interactive+batch": 2, "heavy": 1}.'
+        if not isinstance(value, dict):
+            raise forms.ValidationError(example)
+        known = set(Lane.objects.values_list("name", flat=True))
+        for key, limit in value.items():
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise forms.ValidationError(f"{key}: give a whole number of jobs, 1 or more. {example}")
+        for key, (lanes, _) in lane_rows(value).items():
+            unknown = sorted(lanes - known)
+            if not lanes or unknown:
+                raise forms.ValidationError(f"{key}: no lane named {', '.join(unknown) or 'there'} (lanes: {', '.join(sorted(known))}).")
+        return value
+
     def clean_base_url(self):
         from django.conf import settings
 

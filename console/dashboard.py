@@ -112,6 +112,7 @@ class ChannelStats:
     latency_p50_ms: float | None
     latency_p95_ms: float | None
     held: int = 0  # tasks of this channel waiting (queued, retrying, reconciling)
+    lane_free: dict[str, int] = field(default_factory=dict)  # free jobs of each per-lane row
 
     @property
     def failing(self) -> bool:
@@ -138,6 +139,7 @@ def channel_stats(now=None) -> list[ChannelStats]:
             latency_p50_ms=_percentile(durations, 0.5), latency_p95_ms=_percentile(durations, 0.95),
             held=Task.objects.filter(channel=channel, state__in=HELD_STATES).exclude(
                 state="QUEUED", dispatched_at__isnull=False).count(),
+            lane_free=usage.free_by_row(channel),
         ))
     return result
 
@@ -239,10 +241,14 @@ def dashboard_context() -> dict[str, Any]:
     }
 
 
-def _channel_meters(self: ChannelStats) -> dict[str, SafeString]:
+def _channel_meters(self: ChannelStats) -> dict[str, Any]:
+    from tasks.scheduling.budgets import lane_rows
+
     return {
         "jobs": meter(self.jobs, self.channel.max_inflight_jobs, label="in-flight jobs"),
         "uploads": meter(self.uploads, self.channel.max_concurrent_uploads, label="uploads"),
+        "lanes": [(key, meter(limit - self.lane_free.get(key, limit), limit, width=110, label=f"{key} jobs"))
+                  for key, (_, limit) in lane_rows(self.channel.lane_slots).items()],
     }
 
 

@@ -192,12 +192,15 @@ ENGINE_BUDGETS = {
     "heavy": {"cpu_s": 240, "wall_s": 480, "memory_mb": 4096},
     "unknown-risk": {"cpu_s": 30, "wall_s": 60},
 }
-ENGINE_SLOTS = env("SLUICE_ENGINE_SLOTS", 2)
+# Converters at once per lane (budget rows held across processes, like a vendor's job slots):
+# normal documents share two, heavy and risky ones have one each, so neither starves the other.
+ENGINE_LANE_SLOTS = {"interactive+batch": 2, "heavy": 1, "unknown-risk": 1}
+ENGINE_SLOTS = env("SLUICE_ENGINE_SLOTS", sum(ENGINE_LANE_SLOTS.values()))  # converters at once on the local channel
 # Warm converters per lane (running LibreOffice processes reused for PDF exports; 0: always cold).
 # Risky documents always get a fresh process.
 ENGINE_WARM_POOL = {"interactive": 2, "batch": 2, "heavy": 1, "unknown-risk": 0}
 ENGINE_WARM_RECYCLE_AFTER = env("SLUICE_ENGINE_WARM_RECYCLE_AFTER", 50)  # conversions before an instance is replaced
-ENGINE_WARM_IDLE_S = env("SLUICE_ENGINE_WARM_IDLE_S", 120.0)  # an idle instance ends after this  # converters at once on the local channel (across processes)
+ENGINE_WARM_IDLE_S = env("SLUICE_ENGINE_WARM_IDLE_S", 120.0)  # an idle instance ends after this
 # Test documents may stand for a looping, allocating or crashing document by a marker (tests only).
 ENGINE_TEST_MARKERS = env("SLUICE_ENGINE_TEST_MARKERS", False)
 PRECHECK_CPU_S = env("SLUICE_PRECHECK_CPU_S", 10)

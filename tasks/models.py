@@ -214,6 +214,11 @@ class VendorChannel(models.Model):
     reserved_for_interactive = models.PositiveIntegerField(
         default=2, help_text="Job and upload slots only the interactive lane may take (at most half of each budget), so batch floods cannot starve it."
     )
+    lane_slots = models.JSONField(
+        default=dict, blank=True,
+        help_text='Jobs at most at once per lane, within the budget above, e.g. {"interactive+batch": 2, "heavy": 1}: '
+                  'a row names one lane or several joined by "+" (which then share it); lanes not named share the rest.',
+    )
     # Time layers (nominal seconds; multiplied by the time scale).
     connect_timeout_s = models.FloatField(default=5)
     status_timeout_s = models.FloatField(default=10)
@@ -515,6 +520,7 @@ class VendorJob(models.Model):
     input_sha256 = models.CharField(max_length=64, blank=True)
     result_sha256 = models.CharField(max_length=64, blank=True, help_text="As the vendor declared it on completion.")
     result_size = models.BigIntegerField(null=True, blank=True)
+    engine_version = models.CharField(max_length=64, blank=True, help_text="What processed it, where the vendor says (the local engine).")
     integrity_flag = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)

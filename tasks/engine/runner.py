@@ -125,14 +125,15 @@ def convert(request: dict[str, Any], job_dir: Path) -> Path:
                 run_limited(_test_command(kind), limits=limits, deadline=deadline, tmp=tmp)
     current = work
     for step in steps:
-        if step == "office-pdf" and request.get("warm"):
+        if step.startswith("office-") and request.get("warm"):
             from tasks.engine import warm
 
             settings = request["warm"]
-            dest = tmp / "out-warm.pdf"
+            fmt = step.split("-", 1)[1]
+            dest = tmp / f"out-warm.{fmt}"
             if warm.convert(current, dest, extension=extension, root=job_dir.parent.parent, lane=settings["lane"],
                             pool=settings["pool"], limits=limits, recycle_after=settings["recycle_after"],
-                            idle_s=settings["idle_s"], deadline=deadline):
+                            idle_s=settings["idle_s"], deadline=deadline, fmt=fmt):
                 current = dest
                 request["_converter"] = "warm"
                 continue

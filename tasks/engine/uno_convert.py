@@ -1,5 +1,5 @@
 """Convert one document in a warm LibreOffice over UNO (run by Debian's python3, which has `uno`):
-    python3 uno_convert.py PIPE SOURCE DEST FILTER
+    python3 uno_convert.py PIPE SOURCE DEST FILTER[|OPTIONS]
 Exit 0 when DEST was written; 3 when the instance cannot be reached (yet)."""
 
 import sys
@@ -16,7 +16,8 @@ def prop(name, value):
 
 
 def main() -> int:
-    pipe, source, dest, filter_name = sys.argv[1:5]
+    pipe, source, dest, export = sys.argv[1:5]
+    filter_name, _, options = export.partition("|")
     local = uno.getComponentContext()
     resolver = local.ServiceManager.createInstanceWithContext("com.sun.star.bridge.UnoUrlResolver", local)
     try:
@@ -29,7 +30,10 @@ def main() -> int:
     if document is None:
         return 2
     try:
-        document.storeToURL(uno.systemPathToFileUrl(dest), (prop("FilterName", filter_name),))
+        store = [prop("FilterName", filter_name)]
+        if options:
+            store.append(prop("FilterOptions", options))
+        document.storeToURL(uno.systemPathToFileUrl(dest), tuple(store))
     finally:
         document.close(True)
     return 0

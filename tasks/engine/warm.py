@@ -31,7 +31,13 @@ from tasks import engine
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 CLIENT = Path(__file__).with_name("uno_convert.py")
-FILTERS = {"writer": "writer_pdf_Export", "calc": "calc_pdf_Export", "impress": "impress_pdf_Export"}
+# The UNO export filter of each (document family, format) a warm instance converts to ("name|options");
+# the rest (a presentation's HTML) starts its own LibreOffice.
+FILTERS = {
+    ("writer", "pdf"): "writer_pdf_Export", ("calc", "pdf"): "calc_pdf_Export", ("impress", "pdf"): "impress_pdf_Export",
+    ("writer", "html"): "HTML (StarWriter)", ("calc", "html"): "HTML (StarCalc)",
+    ("writer", "txt"): "Text (encoded)|UTF8",
+}
 START_S = 20.0  # how long a fresh instance may take to accept connections
 
 
@@ -94,13 +100,14 @@ def kill(slot: Path) -> None:
 
 
 def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, pool: int, limits: dict[str, int],
-            recycle_after: int, idle_s: float, deadline: float) -> bool:
-    """Convert in a warm instance of this lane; False when none can take it (the caller goes cold).
-    Raises runner.ConversionFailed when the conversion itself fails or overruns."""
+            recycle_after: int, idle_s: float, deadline: float, fmt: str = "pdf") -> bool:
+    """Convert to `fmt` in a warm instance of this lane; False when none can take it (the caller
+    goes cold). Raises runner.ConversionFailed when the conversion itself fails or overruns."""
     from tasks.engine import ConversionFailed
 
     kind = family(extension)
-    if kind is None or pool <= 0 or not available():
+    export = FILTERS.get((kind, fmt)) if kind else None
+    if export is None or pool <= 0 or not available():
         return False
     for index in range(pool):
         slot = root / "warm" / lane / str(index)
@@ -123,7 +130,7 @@ def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, 
                     kill(slot)
                     raise ConversionFailed("engine_timeout", f"the conversion took longer than its {limits['wall_s']} s")
                 try:
-                    done = subprocess.run([SYSTEM_PYTHON, str(CLIENT), pipe, str(source), str(dest), FILTERS[kind]],
+                    done = subprocess.run([SYSTEM_PYTHON, str(CLIENT), pipe, str(source), str(dest), export],
                                           capture_output=True, timeout=remaining, env={"PATH": "/usr/bin:/bin", "HOME": str(slot)})
                 except subprocess.TimeoutExpired:
                     kill(slot)  # an instance stuck on a document is not reused

@@ -1,4 +1,5 @@
-"""Channel budgets held across every process: concurrent uploads and in-flight vendor jobs.
+"""Channel budgets held across every process: concurrent uploads and in-flight vendor jobs, and
+within them the channel's per-lane rows (VendorChannel.lane_slots: the local engine's converters).
 
 A task reserves a job slot and an upload slot when it is dispatched. The upload slot is released
 when its upload ends; the job reservation is released once a VendorJob row exists (which then
@@ -7,10 +8,10 @@ holds the budget until the job is confirmed terminal) or once it is proven no jo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db.models import Q
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
@@ -18,10 +19,22 @@ from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
 
 
+def lane_rows(lane_slots: dict | None) -> dict[str, tuple[frozenset[str], int]]:
+    """A channel's per-lane rows: key → (the lanes it bounds, how many jobs at once)."""
+    return {key: (frozenset(part.strip() for part in key.split("+") if part.strip()), int(limit))
+            for key, limit in (lane_slots or {}).items()}
+
+
 @dataclass(frozen=True)
 class ChannelUsage:
     jobs: int
     uploads: int
+    jobs_by_lane: dict[str, int] = field(default_factory=dict)
+
+    def free_by_row(self, channel: VendorChannel) -> dict[str, int]:
+        """Free jobs of each of the channel's per-lane rows."""
+        return {key: limit - sum(self.jobs_by_lane.get(lane, 0) for lane in lanes)
+                for key, (lanes, limit) in lane_rows(channel.lane_slots).items()}
 
     def free_jobs(self, channel: VendorChannel) -> int:
         return channel.max_inflight_jobs - self.jobs
@@ -40,7 +53,14 @@ def channel_usage(channel: VendorChannel) -> ChannelUsage:
     reserved_jobs = open_slots.filter(kind=JOB).count()
     live_jobs = VendorJob.objects.filter(channel=channel, terminal_at__isnull=True).count()
     uploads = open_slots.filter(kind=UPLOAD).count()
-    return ChannelUsage(jobs=reserved_jobs + live_jobs, uploads=uploads)
+    by_lane: dict[str, int] = {}
+    if channel.lane_slots:
+        for rows in (open_slots.filter(kind=JOB).values("task__lane_id").annotate(n=Count("id")),
+                     VendorJob.objects.filter(channel=channel, terminal_at__isnull=True)
+                     .values("task__lane_id").annotate(n=Count("id"))):
+            for row in rows:
+                by_lane[row["task__lane_id"] or ""] = by_lane.get(row["task__lane_id"] or "", 0) + row["n"]
+    return ChannelUsage(jobs=reserved_jobs + live_jobs, uploads=uploads, jobs_by_lane=by_lane)
 
 
 def slots_reserve(task: Task, channel: VendorChannel) -> None:

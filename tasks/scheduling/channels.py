@@ -6,10 +6,10 @@ dispatcher's job (tasks/services/dispatch.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tasks.models import ChannelHealth, Task, VendorChannel
-from tasks.scheduling.budgets import channel_usage
+from tasks.scheduling.budgets import channel_usage, lane_rows
 from tasks.vendors import breaker
 from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.policies import BreakerPolicy
@@ -29,22 +29,37 @@ class ChannelRoom:
     free_jobs: int
     free_uploads: int
     trials_left: int | None = None
+    free_by_row: dict[str, int] = field(default_factory=dict)  # the channel's per-lane rows
 
     def fits(self, lane: str = "interactive") -> bool:
         # The last job and upload slots are kept for the interactive lane (article 001's reserved
-        # capacity): a batch flood waiting for its workers must not hold every upload slot.
+        # capacity): a batch flood waiting for its workers must not hold every upload slot. Where
+        # the channel has per-lane rows, the job slots are kept inside the row interactive shares
+        # (a heavy or risky document has its own row and never takes an interactive converter).
         kept = 0 if lane == "interactive" else self.channel.reserved_for_interactive
-        jobs_kept = min(kept, self.channel.max_inflight_jobs // 2)
+        rows = lane_rows(self.channel.lane_slots)
+        jobs_kept = 0 if rows else min(kept, self.channel.max_inflight_jobs // 2)
         uploads_kept = min(kept, self.channel.max_concurrent_uploads // 2)
         if not self.available or self.free_jobs - jobs_kept <= 0 or self.free_uploads - uploads_kept <= 0:
             return False
+        for key, (lanes, limit) in rows.items():
+            if lane not in lanes:
+                continue
+            row_kept = min(kept, limit // 2) if "interactive" in lanes else 0
+            if self.free_by_row.get(key, limit) - row_kept <= 0:
+                return False  # its lane's row is full (heavy documents have their own converters)
         return self.trials_left is None or self.trials_left > 0
 
-    def take(self) -> None:
+    def take(self, lane: str = "interactive") -> None:
         self.free_jobs -= 1
         self.free_uploads -= 1
+        for key in self._rows_of(lane):
+            self.free_by_row[key] = self.free_by_row.get(key, 0) - 1
         if self.trials_left is not None:
             self.trials_left -= 1
+
+    def _rows_of(self, lane: str) -> list[str]:
+        return [key for key, (lanes, _) in lane_rows(self.channel.lane_slots).items() if lane in lanes]
 
 
 def channel_rooms() -> dict[str, ChannelRoom]:
@@ -59,7 +74,7 @@ def channel_rooms() -> dict[str, ChannelRoom]:
             trials = max(BreakerPolicy.for_channel(channel).half_open_calls - used, 0)
         rooms[channel.name] = ChannelRoom(
             channel=channel, available=available, free_jobs=usage.free_jobs(channel),
-            free_uploads=usage.free_uploads(channel), trials_left=trials,
+            free_uploads=usage.free_uploads(channel), trials_left=trials, free_by_row=usage.free_by_row(channel),
         )
     return rooms
 

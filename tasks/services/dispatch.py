@@ -352,7 +352,7 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
             if not task_update(task.pk, state=S.QUEUED, generation=task.generation, **fields):
                 continue
             slots_reserve(task, room.channel)
-            room.take()
+            room.take(lane.name)
             running_here[tenant] = running_here.get(tenant, 0) + 1
             running_all[tenant] += 1
             free -= 1

@@ -11,7 +11,7 @@ from django.utils import timezone
 from tasks import timescale
 from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine, Task, Tenant
 from tasks.services.billing import billing_reconcile
-from tasks.services.quarantine import quarantine_expire
+from tasks.services.quarantine import poison_reevaluate, quarantine_expire
 from tasks.states import TERMINAL_STATES, State
 from tasks.storage import result_file
 
@@ -24,6 +24,7 @@ def housekeeping() -> dict[str, int]:
         "orphan_results": remove_orphan_results(),
         "expired_results": expire_results(),
         "quarantine_expired": quarantine_expire(),
+        "poison_reevaluated": poison_reevaluate(),
         "idempotency_pruned": prune_idempotency_keys(),
         "originals_expired": expire_originals(),
         "dead_letters_purged": purge_dead_letters(),

@@ -41,7 +41,7 @@ from tasks.services.dispatch import dispatch_soon
 from tasks.services.execution import Lease
 from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
-from tasks.services.quarantine import file_precheck
+from tasks.services.quarantine import file_precheck, poison_binding
 from tasks.states import State
 from tasks.storage import store_stream
 
@@ -92,10 +92,12 @@ def file_create(*, tenant: Tenant, chunks: Iterable[bytes], label: str = "") -> 
         tenant=tenant, sha256=blob.sha256, size=blob.size, detected_type=sniffed.mime,
         extension=filetypes.extension_of(label), label=label[:255], storage_name=blob.storage_name,
     )
-    known = Quarantine.objects.filter(
+    # An engine's poison verdict of an earlier engine version does not hold either (it is lifted
+    # by poison_reevaluate; until then it is not applied).
+    known = next((entry for entry in Quarantine.objects.filter(
         tenant=tenant, sha256=blob.sha256, released_at__isnull=True, purged_at__isnull=True,
         detector_version=DETECTOR_VERSION,
-    ).first()
+    ) if poison_binding(entry)), None)
     if known is not None:
         # The same content was quarantined by this version of the pre-check: recognised at once.
         # An entry of an older detector does not block it: the new upload is pre-checked again.
@@ -334,7 +336,11 @@ def task_precheck_and_route(task_id: Any, generation: int) -> str:
                         lease_owner="", lease_expires_at=None),
         )
         return "input_mismatch"
-    released = bool(findings.get("released"))
+    # Content let out of quarantine (by an operator, or lifted after an engine upgrade) runs in
+    # the unknown-risk lane, under its strict budget, whichever upload of it this is.
+    released = bool(findings.get("released")) or Quarantine.objects.filter(
+        tenant_id=task.tenant_id, sha256=file.sha256, released_at__isnull=False, reason=Quarantine.Reason.POISON,
+    ).exists()
     lane = Lane.objects.get(pk=ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released))
     units = _estimated_units(task.kind, findings)
     if task.deferred or not lane_has_room(lane):

@@ -21,6 +21,7 @@ from tasks.services.replay import task_replay
 from tasks.states import State
 
 RETENTION_DAYS = 30
+LOCAL = "local"  # the local engine's channel
 POISON_FAILURES = 3
 VENDOR_REFUSAL_CODES_EXCLUDED = ("deadline_exceeded", "retries_exhausted", "quarantined", "input_mismatch")
 
@@ -59,35 +60,85 @@ def quarantine_add(*, file: FileVersion, reason: str, findings: dict[str, Any], 
     )
 
 
-def _converter_version(task: Task) -> str:
-    """What kept failing on the content: the local engine's version (so an engine upgrade is a new
-    verdict), or the vendor channel."""
-    if task.channel_id == "local":
-        from tasks import engine
-
-        return engine.engine_version()
-    return task.channel_id or ""
-
-
 def poison_check(*, task: Task) -> Quarantine | None:
-    """Content that keeps failing at the vendor is quarantined instead of being retried forever."""
+    """Content that keeps failing at the vendor is quarantined instead of being retried forever.
+    On the local engine the count is per engine version: what broke one LibreOffice is judged
+    again by the next (poison_reevaluate)."""
     failures = Task.objects.filter(
         tenant_id=task.tenant_id, file__sha256=task.file.sha256, state=State.FAILED, error_retryable=False,
-    ).exclude(error_code__in=VENDOR_REFUSAL_CODES_EXCLUDED).count()
-    if failures < POISON_FAILURES:
+    ).exclude(error_code__in=VENDOR_REFUSAL_CODES_EXCLUDED)
+    findings: dict[str, Any] = {}
+    converter = task.channel_id or ""
+    if task.channel_id == LOCAL:
+        from tasks import engine
+
+        converter = engine.engine_version()
+        failures = failures.filter(channel_id=LOCAL, vendor_job__engine_version=converter)
+        findings["engine_version"] = converter
+    count = failures.count()
+    if count < POISON_FAILURES:
         return None
     file = task.file
     FileVersion.objects.filter(tenant_id=task.tenant_id, sha256=file.sha256).update(
         precheck_state=FileVersion.Precheck.QUARANTINED
     )
+    where = f"the engine ({converter})" if task.channel_id == LOCAL else "the vendor"
     entry = quarantine_add(
         file=file, reason=Quarantine.Reason.POISON,
-        findings={**(file.precheck_findings or {}), "verdict": "quarantine", "reason": "poison",
-                  "notes": [f"{failures} tasks on this content failed at the vendor"]},
-        converter_version=_converter_version(task),
+        findings={**(file.precheck_findings or {}), "verdict": "quarantine", "reason": "poison", **findings,
+                  "notes": [f"{count} tasks on this content failed at {where}"]},
+        converter_version=converter,
     )
-    log_event("quarantined_poison", task_id=task.pk, count=failures)
+    log_event("quarantined_poison", task_id=task.pk, count=count, converter=converter)
     return entry
+
+
+def poison_binding(entry: Quarantine, *, engine_version: str | None = None) -> bool:
+    """An engine's poison verdict binds only while that engine version converts."""
+    engine_made = entry.reason == Quarantine.Reason.POISON and "engine_version" in (entry.findings or {})
+    if not engine_made:
+        return True
+    if engine_version is None:
+        from tasks import engine
+
+        engine_version = engine.engine_version() if engine.installed() else entry.converter_version
+    return entry.converter_version == engine_version
+
+
+def poison_reevaluate() -> int:
+    """After an engine upgrade, content the old version could not convert is let through again:
+    the entry is released (its file passes the pre-check again) so the next task on it is
+    converted by the new version, in the unknown-risk lane's budget; N more failures there make it
+    poison again, under the new version. Finished tasks are not revived (operators may replay them)."""
+    from tasks import engine
+
+    if not engine.installed():
+        return 0
+    version = engine.engine_version()
+    lifted = 0
+    for entry in Quarantine.objects.filter(reason=Quarantine.Reason.POISON, released_at__isnull=True, purged_at__isnull=True):
+        if poison_binding(entry, engine_version=version):
+            continue
+        actor = f"re-evaluated: engine upgraded to {version}"
+        _lift(entry, actor=actor, findings={"reevaluated_from": entry.converter_version})
+        AuditEntry.objects.create(actor="engine", action="quarantine_reevaluate", target_type="quarantine",
+                                  target_id=str(entry.pk), done=1,
+                                  detail={"from": entry.converter_version, "to": version})
+        log_event("poison_reevaluated", quarantine_id=entry.pk, converter_from=entry.converter_version, converter_to=version)
+        lifted += 1
+    return lifted
+
+
+def _lift(entry: Quarantine, *, actor: str, params: dict | None = None, findings: dict | None = None) -> None:
+    """The entry no longer holds its content: released, and its file versions pass again."""
+    file = entry.file
+    with transaction.atomic():
+        Quarantine.objects.filter(pk=entry.pk).update(released_at=timezone.now(), released_by=actor[:150],
+                                                      release_params=params or {})
+        FileVersion.objects.filter(tenant_id=entry.tenant_id, sha256=entry.sha256).update(
+            precheck_state=FileVersion.Precheck.PASSED,
+            precheck_findings={**(file.precheck_findings or {}), **(findings or {}), "released": True, "verdict": "pass"},
+        )
 
 
 def quarantine_release(*, entry: Quarantine, actor: str, recheck: bool = False, params: dict | None = None) -> dict[str, int]:
@@ -101,13 +152,8 @@ def quarantine_release(*, entry: Quarantine, actor: str, recheck: bool = False, 
         file = file_precheck(file=file)
         if file.precheck_state == FileVersion.Precheck.QUARANTINED:
             return {"replayed": 0, "skipped": 0, "still_failing": 1}
-    now = timezone.now()
-    with transaction.atomic():
-        Quarantine.objects.filter(pk=entry.pk).update(released_at=now, released_by=actor[:150], release_params=params or {})
-        FileVersion.objects.filter(tenant_id=entry.tenant_id, sha256=entry.sha256).update(
-            precheck_state=FileVersion.Precheck.PASSED,
-            precheck_findings={**(file.precheck_findings or {}), "released": True, "verdict": "pass"},
-        )
+    entry.file = file
+    _lift(entry, actor=actor, params=params)
     replayed = skipped = 0
     for task in Task.objects.filter(file__sha256=entry.sha256, tenant_id=entry.tenant_id, state=State.FAILED,
                                     error_code="quarantined"):

@@ -44,7 +44,7 @@ def local_engine_ensure() -> VendorChannel:
     channel, created = VendorChannel.objects.get_or_create(
         name="local",
         defaults=dict(dialect="local", base_url="", api_key="-", mode=VendorChannel.Mode.TWO_STEP, kinds=["conversion"],
-                      preference=5, enabled=available, max_inflight_jobs=settings.ENGINE_SLOTS,
+                      preference=5, enabled=available, max_inflight_jobs=settings.ENGINE_SLOTS, lane_slots=settings.ENGINE_LANE_SLOTS,
                       max_concurrent_uploads=max(settings.ENGINE_SLOTS * 2, 2), reserved_for_interactive=1),
     )
     if not created and not available and channel.enabled:
@@ -53,6 +53,10 @@ def local_engine_ensure() -> VendorChannel:
         log_event("local_engine_unavailable", 30, reason="off" if settings.LOCAL_ENGINE == "off" else
                   "LibreOffice or poppler-utils is not installed: conversions go to the other channels (make engine)")
     health_for(channel)
+    if available:
+        from tasks.services.quarantine import poison_reevaluate
+
+        poison_reevaluate()  # an upgraded engine judges again what the previous one could not convert
     channel.refresh_from_db()
     return channel
 

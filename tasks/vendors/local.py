@@ -244,6 +244,7 @@ class LocalEngineAdapter:
             error_code=status.get("error_code"), error_message=(f"{status.get('error_message')} ({request.get('engine_version')})"
                                                                if status.get("error_message") else None),
             error_retryable=False, billing_units=0, billing_unit="document", amount_cents=0,
+            engine_version=request.get("engine_version", ""),
         )
 
 

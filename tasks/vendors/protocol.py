@@ -52,6 +52,8 @@ class JobView:
     created_at: str = ""
     # The natural key a vendor echoes (AssemblyAI's audio_url); "" where there is none.
     natural_key: str = ""
+    # What processed it, where the vendor says (the local engine's LibreOffice and poppler).
+    engine_version: str = ""
 
     @property
     def terminal(self) -> bool:

@@ -128,3 +128,16 @@ def test_tenant_settings_changes_name_each_field(admin_client):
     assert answer.status_code == 302, answer.content.decode()[:3000]
     changes = last("tenant_change").detail["changes"]
     assert changes["result_retention_days"]["after"] == 3
+
+
+def test_a_channels_lane_rows_are_checked_on_save_and_their_change_audited(admin_client):
+    url = reverse("admin:tasks_vendorchannel_change", args=["local"])
+    for bad, says in (('{"heavy": 0}', "whole number of jobs"), ('{"hevy": 1}', "no lane named hevy"),
+                      ('["heavy"]', "JSON object"), ('{"interactive+": 1, "+": 2}', "no lane named there")):
+        answer = save(admin_client, url, lane_slots=bad)
+        assert answer.status_code == 200 and says in answer.content.decode(), (bad, answer.content.decode()[:200])
+    assert VendorChannel.objects.get(pk="local").lane_slots == {"interactive+batch": 2, "heavy": 1, "unknown-risk": 1}
+    answer = save(admin_client, url, lane_slots='{"interactive+batch": 2, "heavy": 2, "unknown-risk": 1}')
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    assert VendorChannel.objects.get(pk="local").lane_slots["heavy"] == 2
+    assert last("vendorchannel_change").detail["changes"]["lane_slots"]["after"]["heavy"] == 2

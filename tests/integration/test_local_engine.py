@@ -212,22 +212,62 @@ def test_the_console_names_the_engine_or_says_it_is_not_installed(client, monkey
     assert "Engine not installed" in page and "make engine" in page
 
 
-def test_a_document_that_keeps_crashing_the_engine_is_quarantined_as_poison_for_this_engine_version(api, settings):
-    from tasks.lifecycle import transition
-    from tasks.models import Quarantine
-    from tasks.services.quarantine import poison_check
-    from tests.support.flows import submit_file
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_document_that_keeps_crashing_the_engine_is_poison_for_this_engine_version_until_an_upgrade(
+        vendor, api, tmp_path, monkeypatch):
+    """Real workers and the real engine: a document that crashes the converter three times is
+    quarantined (the verdict names the engine version, and every job records it); the same
+    content uploaded again is recognised at once; once another engine version converts, the
+    verdict is lifted and the content goes through the pre-check and into a lane again."""
+    from tasks.models import Quarantine, VendorJob
+    from tasks.services.quarantine import poison_binding, poison_reevaluate
+    from tasks.system import Stack
+    from tests.conftest import TEST_TIME_SCALE, run_until
+    from tests.support.flows import route, submit_file
 
-    content = documents.rtf("a poison document")
-    tasks = []
-    for _ in range(3):
-        task = Task.objects.get(pk=submit_file(api, content, name="poison.rtf", kind="conversion", target="pdf"))
-        transition(task.pk, source="ACCEPTED", target="FAILED", generation=0, actor="test", reason="engine crashed",
-                   fields={"error_code": "engine_crashed", "error_retryable": False, "channel_id": "local"})
-        tasks.append(Task.objects.get(pk=task.pk))
-    entry = poison_check(task=tasks[-1])
-    assert entry is not None and entry.reason == Quarantine.Reason.POISON
-    assert entry.converter_version == engine.engine_version() and entry.converter_version.startswith("LibreOffice")
+    VendorChannel.objects.exclude(name="local").update(enabled=False)
+    VendorChannel.objects.filter(name="local").update(enabled=True)
+    content = documents.rtf("SLUICE-ENGINE-CRASH a poison document")
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05",
+                                               "SLUICE_ENGINE_TEST_MARKERS": "1"})
+    try:
+        stack.start_dispatcher()
+        stack.start_all_clusters(workers=1)
+        failed = [run_until(submit_file(api, content, name="poison.rtf", kind="conversion", target="pdf"), timeout=90)
+                  for _ in range(3)]
+    finally:
+        stack.stop_all()
+    assert [(t.state, t.error_code) for t in failed] == [("FAILED", "vendor_engine_crashed")] * 3, \
+        [(t.state, t.error_code, t.error_message) for t in failed]
+    version = engine.engine_version()
+    assert set(VendorJob.objects.filter(task__in=failed).values_list("engine_version", flat=True)) == {version}
+    from django.test import Client
+    from django.urls import reverse
+
+    from console.staff import staff_ensure
+
+    viewer = Client()
+    user, password = staff_ensure(username="viewer-poison", role="viewer", actor="test")
+    viewer.login(username=user.username, password=password)
+    page = viewer.get(reverse("admin:tasks_task_change", args=[failed[0].pk])).content.decode()
+    assert f"data-engine-version>{version}<" in page.replace("&#x27;", "'")
+    entry = Quarantine.objects.get(reason=Quarantine.Reason.POISON, released_at__isnull=True)
+    assert entry.converter_version == version and entry.findings["engine_version"] == version
+    stored = api.post("/api/v1/files", data=content, content_type="application/octet-stream", HTTP_X_FILENAME="again.rtf")
+    again = api.post("/api/v1/tasks", content_type="application/json",
+                     data={"file_id": stored.json()["id"], "kind": "conversion", "target_format": "pdf"})
+    assert again.status_code == 422 and again.json()["code"] == "file_quarantined", again.content
+    assert poison_reevaluate() == 0, "the same engine version keeps its verdict"
+
+    upgraded = "LibreOffice 99.1 + poppler 99.0"  # what `soffice --version` would say after an upgrade
+    monkeypatch.setattr(engine, "engine_version", lambda: upgraded)
+    assert not poison_binding(entry)
+    assert poison_reevaluate() == 1
+    entry.refresh_from_db()
+    assert entry.released_at is not None and upgraded in entry.released_by
+    retried = route(submit_file(api, content, name="poison-retry.rtf", kind="conversion", target="pdf"))
+    assert retried.state == "QUEUED" and retried.lane_id == "unknown-risk", (retried.state, retried.error_code)
 
 
 def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, settings):
@@ -264,3 +304,22 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
         time.sleep(0.2)
     assert not (slot / "state.json").exists() and not (slot / "profile").exists()
     assert not Path(f"/proc/{instances[2]}").exists() or b"soffice" not in Path(f"/proc/{instances[2]}/cmdline").read_bytes()
+
+
+@pytest.mark.parametrize("source,target,expect", [
+    ("docx", "html", b"<html"), ("odt", "txt", b""), ("docx", "md", b""), ("xlsx", "html", b"<html"),
+])
+def test_html_and_text_exports_use_the_warm_converters_too(tmp_path, source, target, expect):
+    from tasks.engine import warm
+
+    if not warm.available():
+        pytest.fail("Debian's python3-uno is missing: run `make engine` (make test and make run do).")
+    adapter, job_id = convert(document(source, tmp_path), target, lane="interactive")
+    view = finished(adapter, job_id)
+    assert view.status == "completed", view
+    status = __import__("json").loads((root() / "jobs" / job_id / "status.json").read_text())
+    assert status["converter"] == "warm"
+    out = tmp_path / f"out.{target}"
+    adapter.fetch_result(job_id, out, target_format=target)
+    body = out.read_bytes()
+    assert expect.lower() in body.lower() and b"Sluice marker words" in body, body[:300]

@@ -165,6 +165,27 @@ def test_batch_never_takes_the_upload_slots_kept_for_interactive(api, vendor):
     assert Task.objects.filter(pk__in=interactive, dispatched_at__isnull=False).count() == 2
 
 
+def test_the_engine_keeps_heavy_documents_to_their_own_converter_across_lanes(api, vendor):
+    """The local engine's shipped rows (normal 2, heavy 1, unknown-risk 1): a burst of heavy
+    documents takes one converter, and normal documents still get theirs. No workers run, so
+    dispatched tasks keep their slots: admission alone is observed."""
+    from tasks.poc import documents
+
+    VendorChannel.objects.exclude(name="local").update(enabled=False)
+    VendorChannel.objects.filter(name="local").update(enabled=True)
+    heavy = [route(submit_file(api, files.pdf(320), name="manual.pdf", kind="conversion", target="txt", priority="batch"))
+             for _ in range(3)]
+    normal = [route(submit_file(api, documents.docx("memo"), name="memo.docx", kind="conversion", target="pdf"))
+              for _ in range(3)]
+    assert {t.lane_id for t in heavy} == {"heavy"} and {t.lane_id for t in normal} == {"interactive"}
+    tick()
+    dispatched = lambda ids: Task.objects.filter(pk__in=[t.pk for t in ids], dispatched_at__isnull=False).count()
+    assert dispatched(heavy) == 1, "one heavy converter"
+    assert dispatched(normal) == 2, "normal documents are not held behind the heavy ones"
+    waiting = Task.objects.select_related("lane", "tenant").filter(pk__in=[t.pk for t in heavy], dispatched_at__isnull=True).first()
+    assert waiting_reason(waiting) == "vendor_budget"
+
+
 # --- deadlines ------------------------------------------------------------------------------------------
 def test_a_task_past_its_queue_deadline_expires_instead_of_starting_late(api, vendor):
     Lane.objects.filter(pk="interactive").update(max_running=0)

@@ -45,7 +45,7 @@ def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bo
             task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
             status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
             billing_unit=view.billing_unit or "", amount_cents=view.amount_cents, input_sha256=view.input_sha256,
-            result_sha256=view.result_sha256 or "", result_size=view.result_size,
+            result_sha256=view.result_sha256 or "", result_size=view.result_size, engine_version=view.engine_version[:64],
         ),
     )
     if view.terminal:
