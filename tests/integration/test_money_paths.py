@@ -53,6 +53,25 @@ def test_a_completed_job_whose_download_is_rate_limited_is_fetched_not_replaced(
     assert not [p for p in polls if p["ts"] > first_download], "a download failure sent the task back to polling"
 
 
+def test_download_retries_of_a_completed_job_outlive_the_attempts_execution_timeout_without_a_fence(inline_queue, api):
+    """Waiting out a vendor's Retry-After on a finished job's result is not an execution running
+    long: the attempt is not fenced (which would poll and reconcile a job known to be done), and
+    each download keeps its own full deadline. The lane's timeout is short here only so that the
+    waits outlast it within the test's time."""
+    from tasks.models import Lane
+
+    primary_only()
+    Lane.objects.filter(pk="interactive").update(execution_timeout_s=30)
+    inline_queue.control.add_rule({"endpoint": "GET /v1/jobs/*/result", "type": "rate_limit",
+                                   "params": {"retry_after_s": 20}, "times": 3})
+    task = run_until(submit_file(api), timeout=60)
+    assert task.state == "SUCCEEDED", (task.error_code, reasons(task))
+    assert not [r for r in reasons(task) if "execution timeout" in r], reasons(task)
+    downloads = journal(inline_queue, "GET /v1/jobs/*/result")
+    assert [d["status"] for d in downloads] == [429, 429, 429, 200]
+    assert not [p for p in journal(inline_queue, "GET /v1/jobs/*") if p["ts"] > downloads[0]["ts"]]
+
+
 def test_a_download_reset_is_retried_as_a_download_and_the_poll_interval_does_not_grow(inline_queue, api):
     primary_only()
     inline_queue.control.add_rule({"endpoint": "GET /v1/jobs/*/result", "type": "reset", "times": 2})

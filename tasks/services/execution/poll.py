@@ -198,8 +198,13 @@ def _schedule_fetch(task: Task, failure: Failure) -> None:
              message=f"the result could not be downloaded before the business deadline ({failure.message})",
              data={"error_class": failure.error_class or "retryable"})
         return
+    # The vendor's part is over: waiting for the download is no execution running long. The
+    # attempt lasts at least until this download has had its own full deadline (else the
+    # watchdog would fence a finished job back to polling, and the download would be cut short).
+    download_ends = due + timescale.delta(channel.result_timeout_s)
+    attempt_deadline = max(task.attempt_deadline_at, download_ends) if task.attempt_deadline_at else None
     task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=attempt,
-                due_at=due, enqueued_at=None, lease_owner="", lease_expires_at=None,
+                due_at=due, enqueued_at=None, lease_owner="", lease_expires_at=None, attempt_deadline_at=attempt_deadline,
                 waiting_reason="result_rate_limited" if failure.code == "http_429" else "result_download_retry")
     log_event("fetch_retry", task_id=task.pk, channel=channel.name, code=failure.code, delay_s=round(delay, 3),
               retry_after_s=failure.retry_after_s)
