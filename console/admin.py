@@ -470,8 +470,27 @@ class NotificationAdmin(ReadOnly):
 
 
 # --- configuration ------------------------------------------------------------------------------------------
+class LaneForm(forms.ModelForm):
+    class Meta:
+        model = Lane
+        fields = "__all__"
+
+    def clean_execution_timeout_s(self):
+        from django.conf import settings
+
+        value = self.cleaned_data.get("execution_timeout_s")
+        name = self.instance.name if self.instance and self.instance.pk else self.data.get("name", "")
+        bound = settings.LANE_EXECUTION_TIMEOUT_S.get(name)
+        if value is not None and bound is not None and value > bound:
+            raise forms.ValidationError(
+                f"The {name} lane's workers stop any step after {bound:g} s, so its execution timeout can be at most that. "
+                f"To allow more, set SLUICE_LANE_EXECUTION_TIMEOUT_S={name}={int(value)} and restart the workers.")
+        return value
+
+
 @admin.register(Lane, site=site)
 class LaneAdmin(Configurable):
+    form = LaneForm
     list_display = ("name", "running_state", "max_running", "max_queued", "queue_deadline_s", "execution_timeout_s",
                     "overflow_policy", "early_close_pct", "dispatch_order")
     list_editable = ()

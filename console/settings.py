@@ -126,7 +126,10 @@ LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
 LANE_NICE = {"interactive": 0, "batch": 5, "heavy": 10, "unknown-risk": 10}
 LANE_NICE.update(env("SLUICE_LANE_NICE", {}, cast=parse_mapping))
 # The longest single attempt per lane (nominal seconds): the lanes' default execution timeouts.
+# Each lane's cluster kills a step that outlives its lane's bound (below), so a lane's execution
+# timeout may be lowered in the console but raised only here (e.g. "interactive=1800") and a restart.
 LANE_EXECUTION_TIMEOUT_S = {"interactive": 900, "batch": 3600, "heavy": 4 * 3600, "unknown-risk": 3600}
+LANE_EXECUTION_TIMEOUT_S.update(env("SLUICE_LANE_EXECUTION_TIMEOUT_S", {}, cast=parse_mapping))
 # A step that outlives its attempt by this much is killed by django-q2 (nominal, floor in real s).
 STEP_GRACE_S = env("SLUICE_STEP_GRACE_S", 60.0)
 STEP_GRACE_FLOOR_S = 5.0

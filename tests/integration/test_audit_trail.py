@@ -141,3 +141,16 @@ def test_a_channels_lane_rows_are_checked_on_save_and_their_change_audited(admin
     assert answer.status_code == 302, answer.content.decode()[:2000]
     assert VendorChannel.objects.get(pk="local").lane_slots["heavy"] == 2
     assert last("vendorchannel_change").detail["changes"]["lane_slots"]["after"]["heavy"] == 2
+
+
+def test_a_lanes_execution_timeout_cannot_be_raised_past_what_its_workers_allow(admin_client, settings):
+    from tasks.models import Lane
+
+    url = reverse("admin:tasks_lane_change", args=["interactive"])
+    bound = settings.LANE_EXECUTION_TIMEOUT_S["interactive"]
+    answer = save(admin_client, url, execution_timeout_s=str(bound * 2))
+    page = answer.content.decode()
+    assert answer.status_code == 200 and f"SLUICE_LANE_EXECUTION_TIMEOUT_S=interactive={int(bound * 2)}" in page, page[:300]
+    assert Lane.objects.get(pk="interactive").execution_timeout_s == bound
+    answer = save(admin_client, url, execution_timeout_s=str(bound / 3))
+    assert answer.status_code == 302 and Lane.objects.get(pk="interactive").execution_timeout_s == bound / 3
