@@ -125,3 +125,50 @@ def test_a_step_running_at_sigterm_is_handed_back_at_once_not_after_its_lease(ve
         main.wait(timeout=BOUND_S)
     finally:
         stack.stop_all()
+
+
+def test_sigterm_to_the_web_server_or_the_dispatcher_alone_stops_it_within_the_bound(tmp_path):
+    from tasks.system import Stack
+
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE)})
+    try:
+        stack.start_web()
+        stack.start_dispatcher()
+        time.sleep(1.0)
+        for name in ("web", "dispatcher"):
+            process = stack.processes[name].process
+            children = descendants(process.pid)
+            assert process.poll() is None, f"{name} did not start"
+            os.kill(process.pid, signal.SIGTERM)
+            process.wait(timeout=BOUND_S)
+            wait_for(lambda: not [p for p in children if alive(p)], timeout=10, message=f"{name}'s children to be gone")
+    finally:
+        stack.stop_all()
+
+
+def test_ctrl_c_on_the_run_command_leaves_no_process_behind(tmp_path):
+    """`make run` ends in `honcho start -f Procfile`: Ctrl-C there (SIGINT to its process group, as
+    a terminal sends it) stops web, dispatcher, every cluster and the fake vendor."""
+    import subprocess
+
+    from tasks.system import BASE, database_env, free_port
+
+    env = {**os.environ, **database_env(), "SLUICE_DATA_DIR": str(tmp_path / "data"), "SLUICE_PORT": str(free_port()),
+           "FAKEVENDOR_PORT": str(free_port()), "SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_LOG_FILE": ""}
+    env.pop("PYTEST_VERSION", None)
+    with open(tmp_path / "run.log", "wb") as log:
+        run = subprocess.Popen([str(Path(BASE) / ".venv" / "bin" / "honcho"), "start", "-f", "Procfile"], cwd=BASE, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(lambda: len(descendants(run.pid)) >= 9 + 4 * 5, timeout=90,
+                     message="web, dispatcher, the clusters and the fake vendor to be running")
+            time.sleep(2.0)
+            everyone = descendants(run.pid)
+            os.killpg(run.pid, signal.SIGINT)
+            run.wait(timeout=BOUND_S + 10)
+            wait_for(lambda: not [p for p in everyone if alive(p)], timeout=BOUND_S,
+                     message="every process started by the run command to be gone")
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+    assert b"Traceback" not in (tmp_path / "run.log").read_bytes().split(b"SIGINT")[0], (tmp_path / "run.log").read_text()[-3000:]
