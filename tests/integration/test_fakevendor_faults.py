@@ -439,3 +439,49 @@ def test_in_flight_lists_a_request_while_it_is_answered_and_not_after(fake, http
     assert seen and seen[0]["client_ref"] == "r-9" and seen[0]["rule_id"] == "slow" and seen[0]["age_ms"] >= 0
     assert not [r for r in fake.in_flight() if r["endpoint"] == "GET /v1/jobs"]
     assert fake.invariants()["requests_in_flight"] == 0
+
+
+def test_duplicate_on_create_bills_extra_jobs_the_answer_does_not_mention(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "duplicate_on_create", "params": {"copies": 2}, "times": 1})
+    answer = create(http, up["upload_id"])
+    assert answer.status_code == 201
+    listed = http.get("/v1/jobs", params={"client_ref": "ref-1"}).json()["data"]
+    assert len(ledger(http, "ref-1")) == 2 and len(listed) == 2
+    assert answer.json()["id"] in {j["id"] for j in listed}, "the answer names one of the billed jobs"
+    assert create(http, up["upload_id"]).json()["id"] == answer.json()["id"], "the key still replays"
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_redirect_answers_a_3xx_with_a_location_and_does_nothing(fake, http, status):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "redirect", "params": {"status": status, "location": "http://elsewhere.invalid/x"}})
+    answer = upload(http)
+    assert answer.status_code == status and answer.headers["location"] == "http://elsewhere.invalid/x"
+    assert fake.journal()[-1]["outcome"] == "redirect"
+    fake.clear_rules()
+    assert upload(http).status_code == 201
+
+
+@pytest.mark.parametrize("body", ["not_json", "truncated_json", "missing_fields", "wrong_types", "empty"])
+def test_malformed_answers_a_2xx_whose_body_a_client_cannot_use_after_acting(fake, http, body):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "malformed", "params": {"body": body}, "times": 1})
+    answer = create(http, up["upload_id"])
+    assert 200 <= answer.status_code < 300
+    try:
+        parsed = answer.json()
+    except ValueError:
+        parsed = None
+    assert not (isinstance(parsed, dict) and isinstance(parsed.get("id"), str) and parsed.get("status") in ("queued", "processing")), parsed
+    assert len(ledger(http, "ref-1")) == 1, "the job was created (and billed) although the answer is unusable"
+
+
+def test_amnesia_forgets_uploads_jobs_and_keys_but_not_what_was_billed(fake, http):
+    up = upload(http).json()
+    job = create(http, up["upload_id"]).json()
+    forgotten = fake.amnesia()["forgotten"]
+    assert forgotten["jobs"] == 1 and forgotten["uploads"] == 1 and forgotten["idempotency"] == 1
+    assert http.get(f"/v1/jobs/{job['id']}").status_code == 404
+    assert http.get("/v1/jobs", params={"client_ref": "ref-1"}).json()["data"] == []
+    assert len(ledger(http, "ref-1")) == 1, "the bill stays"
+    assert create(http, up["upload_id"]).status_code in (404, 422), "the upload is gone too"
