@@ -48,6 +48,12 @@ _NOT_FIELDS = {"body", "query", "header", "path", "form", "file", "cookie", "tra
 def validation_problem(errors: list[dict[str, Any]]) -> JsonResponse:
     """A request that does not fit its declaration: 400 invalid_request naming the first field
     to fix and saying how."""
+    detail, field = validation_detail(errors)
+    return problem(400, "invalid_request", detail, field=field)
+
+
+def validation_detail(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """What to fix first in a body that does not fit its declaration, and in which field."""
     first = errors[0] if errors else {"type": "", "msg": "The request is not valid", "loc": ()}
     location = [part for part in first.get("loc", ()) if isinstance(part, str)]
     names = [part for part in location if part not in _NOT_FIELDS]
@@ -56,9 +62,9 @@ def validation_problem(errors: list[dict[str, Any]]) -> JsonResponse:
     error_type, ctx = first.get("type", ""), first.get("ctx") or {}
     if error_type == "extra_forbidden":
         unknown = sorted({str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden"})
-        return problem(400, "invalid_request", f"Unknown field(s): {', '.join(unknown)}.", field=unknown[0])
+        return f"Unknown field(s): {', '.join(unknown)}.", unknown[0]
     if error_type in ("union_tag_invalid", "union_tag_not_found"):
-        return problem(400, "invalid_request", f"kind must be one of: {ctx.get('expected_tags')}.", field="kind")
+        return f"kind must be one of: {ctx.get('expected_tags')}.", "kind"
     if error_type == "missing" and field:
         hint = ": the id returned by POST /api/v1/files" if field == "file_id" else ""
         detail = f"{field} is required{hint}."
@@ -69,7 +75,7 @@ def validation_problem(errors: list[dict[str, Any]]) -> JsonResponse:
         detail = "Send a JSON object in the body." if error_type.endswith("_type") or error_type == "missing" else f"{first.get('msg')}."
     else:
         detail = f"{field}: {str(first.get('msg')).removeprefix('Value error, ')}."
-    return problem(400, "invalid_request", detail, field=field)
+    return detail, field
 
 
 class ProblemJsonMiddleware:

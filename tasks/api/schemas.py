@@ -85,6 +85,18 @@ class ConversionSubmission(_Submission):
 Submission = Annotated[Union[TranscriptionSubmission, ConversionSubmission], Field(discriminator="kind")]
 
 
+MAX_BATCH = 500
+
+
+class BatchSubmission(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_BATCH, description=(
+        f"Up to {MAX_BATCH} submissions, each the body of submitTask plus its own optional `idempotency_key` "
+        "(1-255 characters; the same rules as the Idempotency-Key header). Each item is checked and accepted on "
+        "its own: a refused item stores nothing and does not stop the others."))
+
+
 # --- answers ------------------------------------------------------------------------------------
 
 class FileOut(Schema):
@@ -103,6 +115,27 @@ class Accepted(Schema):
     created_at: str
     waiting_reason: Literal["lane_full"] | None = Field(
         None, description="Present when the task was accepted but waits to enter its lane.")
+
+
+class BatchItemOut(Schema):
+    index: int = Field(description="The item's position in the request.")
+    status: int = Field(description="202 accepted (or replayed), else the problem status a single submission would get.")
+    id: str | None = None
+    state: StateName | None = None
+    status_url: str | None = None
+    created_at: str | None = None
+    replayed: bool | None = Field(None, description="The item's idempotency_key named a task accepted earlier.")
+    waiting_reason: Literal["lane_full"] | None = None
+    code: str | None = Field(None, description="The problem code of a refused item.")
+    detail: str | None = None
+    field: str | None = None
+
+
+class BatchOut(Schema):
+    data: list[BatchItemOut]
+    accepted: int
+    replayed: int
+    refused: int
 
 
 class TaskError(Schema):

@@ -20,11 +20,13 @@ from ninja import Body, Header, NinjaAPI, Path, Query, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
+from pydantic import TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
 
 from tasks import safejson, selectors
 from tasks.api import schemas
 from tasks.api.bodies import MAX_LABEL, body_chunks, body_read, drain, upload_label
-from tasks.api.problems import problem, problem_from, validation_problem
+from tasks.api.problems import problem, problem_from, validation_detail, validation_problem
 from tasks.api.results import result_response
 from tasks.errors import (
     FileTooLarge,
@@ -37,7 +39,7 @@ from tasks.errors import (
 from tasks.models import FileVersion, InboundVendorEvent, Task, Tenant, VendorChannel, VendorJob
 from tasks.scheduling.waiting import waiting_reason
 from tasks.services.cancel import task_cancel
-from tasks.services.intake import file_create, task_submit
+from tasks.services.intake import SubmitRequest, file_create, task_submit, task_submit_batch
 from tasks.services.tenancy import token_authenticate
 from tasks.states import State
 from tasks.vendors.dialects import adapter_for
@@ -234,6 +236,49 @@ def task_submit_view(request: HttpRequest, response: HttpResponse, body: schemas
     # A deferred task is accepted and durable, but its lane is closed to new work for now.
     return Status(202, {"id": str(task.pk), "state": task.state, "status_url": status_url,
                         "created_at": _iso(task.created_at), "waiting_reason": "lane_full" if task.deferred else None})
+
+
+@api.post("/tasks/batch", url_name="tasks_batch", operation_id="submitTaskBatch",
+          summary="Submit up to 500 tasks in one request; each is answered on its own",
+          response={200: schemas.BatchOut, **_problems(400, 413)}, exclude_none=True)
+def task_batch_view(request: HttpRequest, body: schemas.BatchSubmission = Body(...)):
+    """Each item is accepted durably (as a 202 of submitTask would be), replayed by its
+    idempotency_key, or refused with the problem code a single submission would get; never half
+    written. The answer lists every item in request order."""
+    tenant: Tenant = request.auth
+    outcomes = task_submit_batch(tenant=tenant, items=[_batch_item(item) for item in body.items],
+                                 actor=f"api tenant {tenant.name}")
+    data = []
+    for index, outcome in enumerate(outcomes):
+        if outcome.error is not None:
+            error = outcome.error
+            data.append({"index": index, "status": error.status, "code": error.code, "detail": error.detail,
+                         "field": error.extra.get("field")})
+            continue
+        task = outcome.submitted.task
+        data.append({"index": index, "status": 202, "id": str(task.pk), "state": task.state,
+                     "status_url": request.build_absolute_uri(reverse("api:task", args=[task.pk])),
+                     "created_at": _iso(task.created_at), "replayed": outcome.submitted.replayed,
+                     "waiting_reason": "lane_full" if task.deferred else None})
+    replayed = sum(1 for o in outcomes if o.submitted is not None and o.submitted.replayed)
+    refused = sum(1 for o in outcomes if o.error is not None)
+    return {"data": data, "accepted": len(outcomes) - refused - replayed, "replayed": replayed, "refused": refused}
+
+
+_SUBMISSION = TypeAdapter(schemas.Submission)
+
+
+def _batch_item(item: dict[str, Any]) -> tuple[SubmitRequest | SluiceError, str | None]:
+    """One batch item as a submission and its key, or the refusal it gets."""
+    item = dict(item)
+    key = item.pop("idempotency_key", None)
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255):
+        return InvalidRequest("idempotency_key must be 1 to 255 characters.", field="idempotency_key"), None
+    try:
+        return _SUBMISSION.validate_python(item).to_request(), key
+    except PydanticValidationError as error:
+        detail, field = validation_detail(error.errors())
+        return InvalidRequest(detail, field=field), key
 
 
 @api.get("/tasks", operation_id="listTasks", response={200: schemas.TaskPage, **_problems(400)})

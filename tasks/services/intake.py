@@ -27,6 +27,7 @@ from tasks.errors import (
     IdempotencyKeyInUse,
     IdempotencyKeyMismatch,
     InvalidRequest,
+    SluiceError,
     UnsupportedType,
 )
 from tasks.lifecycle import task_update
@@ -170,6 +171,29 @@ def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str 
             IdempotencyRecord.objects.filter(pk=record.pk, task__isnull=True).delete()
         raise
     return Submitted(task=task, replayed=False)
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    submitted: Submitted | None = None
+    error: SluiceError | None = None
+
+
+def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],
+                      actor: str) -> list[BatchOutcome]:
+    """Many submissions from one request: each is accepted, replayed or refused on its own, as a
+    single submission would be (its own transaction: never half written, and one refusal stops
+    nothing else)."""
+    outcomes = []
+    for request, key in items:
+        if isinstance(request, SluiceError):
+            outcomes.append(BatchOutcome(error=request))
+            continue
+        try:
+            outcomes.append(BatchOutcome(submitted=task_submit(tenant=tenant, request=request, idempotency_key=key, actor=actor)))
+        except SluiceError as error:
+            outcomes.append(BatchOutcome(error=error))
+    return outcomes
 
 
 def _reserve_key(tenant: Tenant, key: str, fingerprint: str) -> tuple[Task | None, IdempotencyRecord | None]:

@@ -1,0 +1,87 @@
+"""POST /api/v1/tasks/batch: up to 500 submissions in one request, each accepted, replayed or
+refused on its own (with the problem code a single submission would get), never half written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.models import IdempotencyRecord, Task, TaskEvent, TenantQuota
+from tasks.poc import files
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def upload(api, content: bytes | None = None, name: str = "a.wav") -> str:
+    answer = api.post("/api/v1/files", data=content or files.wav(), content_type="application/octet-stream", HTTP_X_FILENAME=name)
+    assert answer.status_code == 201, answer.content
+    return answer.json()["id"]
+
+
+def batch(api, items):
+    return api.post("/api/v1/tasks/batch", data=json.dumps({"items": items}), content_type="application/json")
+
+
+def item(file_id: str, **extra):
+    return {"file_id": file_id, "kind": "transcription", "target_format": "txt", **extra}
+
+
+def test_each_item_is_accepted_or_refused_on_its_own_and_nothing_refused_is_stored(api, vendor):
+    file_id = upload(api)
+    answer = batch(api, [item(file_id, idempotency_key="k-1"), item(file_id, target_format="pdf"),
+                         item("00000000-0000-0000-0000-000000000000"), item(file_id, priority="urgent"),
+                         {"file_id": file_id, "kind": "transcription", "target_format": "txt", "colour": "red"},
+                         item(file_id, idempotency_key="")])
+    assert answer.status_code == 200, answer.content
+    body = answer.json()
+    statuses = [(r["index"], r["status"], r.get("code"), r.get("field")) for r in body["data"]]
+    assert statuses == [(0, 202, None, None), (1, 400, "invalid_request", "target_format"), (2, 404, "file_not_found", None),
+                        (3, 400, "invalid_request", "priority"), (4, 400, "invalid_request", "colour"),
+                        (5, 400, "invalid_request", "idempotency_key")]
+    assert (body["accepted"], body["replayed"], body["refused"]) == (1, 0, 5)
+    accepted = body["data"][0]
+    task = Task.objects.get()
+    assert accepted["id"] == str(task.pk) and accepted["state"] == "ACCEPTED" and accepted["status_url"].endswith(f"/api/v1/tasks/{task.pk}")
+    assert TaskEvent.objects.filter(task=task).count() >= 1
+    assert api.get(f"/api/v1/tasks/{task.pk}").status_code == 200
+
+
+def test_keys_replay_within_a_batch_and_across_batches_and_a_changed_item_is_a_mismatch(api, vendor):
+    file_id = upload(api)
+    first = batch(api, [item(file_id, idempotency_key="a"), item(file_id, idempotency_key="a"), item(file_id, idempotency_key="b")]).json()
+    assert [r["status"] for r in first["data"]] == [202, 202, 202]
+    assert [r.get("replayed") for r in first["data"]] == [False, True, False]
+    assert first["data"][0]["id"] == first["data"][1]["id"] != first["data"][2]["id"]
+    again = batch(api, [item(file_id, idempotency_key="b"), item(file_id, idempotency_key="a", target_format="srt")]).json()
+    assert again["data"][0]["replayed"] is True and again["data"][0]["id"] == first["data"][2]["id"]
+    assert (again["data"][1]["status"], again["data"][1]["code"]) == (422, "idempotency_key_mismatch")
+    assert Task.objects.count() == 2 and IdempotencyRecord.objects.count() == 2
+    single = api.post("/api/v1/tasks", data=json.dumps(item(file_id)), content_type="application/json", HTTP_IDEMPOTENCY_KEY="a")
+    assert single.status_code == 202 and single.json()["id"] == first["data"][0]["id"], "one key space for both ways in"
+
+
+def test_quotas_hold_item_by_item(api, tenant, vendor):
+    TenantQuota.objects.filter(tenant=tenant).update(submissions_per_minute=2)
+    file_id = upload(api)
+    body = batch(api, [item(file_id) for _ in range(4)]).json()
+    assert [r["status"] for r in body["data"]] == [202, 202, 429, 429]
+    assert {r["code"] for r in body["data"][2:]} == {"over_quota"}
+    assert Task.objects.count() == 2
+
+
+@pytest.mark.parametrize("payload,says", [
+    ({"items": []}, "items"), ({"items": "x"}, "items"), ({}, "items"), ({"items": [{}] * 501}, "items"),
+    ({"items": [item("f")], "extra": 1}, "extra"),
+])
+def test_a_batch_that_is_not_one_is_refused_whole(api, payload, says):
+    answer = api.post("/api/v1/tasks/batch", data=json.dumps(payload), content_type="application/json")
+    assert answer.status_code == 400 and answer["Content-Type"] == "application/problem+json", answer.content
+    assert answer.json()["code"] == "invalid_request" and answer.json().get("field") == says, answer.json()
+    assert Task.objects.count() == 0
+
+
+def test_the_batch_is_in_the_openapi_document(api):
+    document = api.get("/api/v1/openapi.json").json()
+    operation = document["paths"]["/api/v1/tasks/batch"]["post"]
+    assert operation["operationId"] == "submitTaskBatch" and "200" in operation["responses"]
