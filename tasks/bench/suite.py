@@ -41,7 +41,9 @@ TARGETS = {
     "polls_per_task_minute": 2,
     "interactive_p95_wait_s_under_flood": 1.0,
     "convert_vs_bare": 2.0,
+    "batch_vs_single": 5.0,
 }
+BATCH_SIZE = 100
 PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
 MATRIX_WORKERS = tuple(int(w) for w in os.environ.get("SLUICE_BENCH_MATRIX_WORKERS", "1,2,4,8").split(","))
 MATRIX_LATENCIES_S = (0.2, 1, 5)
@@ -433,12 +435,21 @@ class Bench:
             client.post(f"{self.web_url}/bench/bare", json=body, headers={"Idempotency-Key": uuid.uuid4().hex}).raise_for_status()
 
         # Alternate the two, so drift in the machine's load hits both alike.
-        rates: dict[str, list[float]] = {"bare": [], "intake": []}
+        def submit_batch(client: httpx.Client) -> None:
+            items = [{**body, "idempotency_key": uuid.uuid4().hex} for _ in range(BATCH_SIZE)]
+            answer = client.post(f"{self.web_url}/api/v1/tasks/batch", json={"items": items}, headers=self.headers)
+            answer.raise_for_status()
+            if answer.json()["accepted"] != BATCH_SIZE:
+                raise RuntimeError(f"a batch item was refused: {answer.json()['data'][:3]}")
+
+        rates: dict[str, list[float]] = {"bare": [], "intake": [], "batch": []}
         for _ in range(2):
             rates["bare"].append(self._rate(seconds / 2, 8, bare))
             rates["intake"].append(self._rate(seconds / 2, 8, submit))
+            rates["batch"].append(self._rate(seconds / 2, 2, submit_batch) * BATCH_SIZE)
         self.figures["bare_view_rps"] = round(statistics.mean(rates["bare"]), 1)
         self.figures["intake_rps"] = round(statistics.mean(rates["intake"]), 1)
+        self.figures["batch_intake_tps"] = round(statistics.mean(rates["batch"]), 1)
 
     def matrix(self) -> None:
         """Seed 003's matrix: worker count x vendor latency -> throughput, p95 wait and the share of
@@ -522,6 +533,7 @@ def ratios(f: dict[str, Any]) -> dict[str, Any]:
     f["upload_ratio"] = ratio("upload_mb_s", "curl_upload_mb_s")
     f["intake_upload_ratio"] = ratio("intake_upload_mb_s", "curl_upload_mb_s")
     f["convert_vs_bare"] = ratio("convert_docs_per_min", "bare_convert_docs_per_min")
+    f["batch_vs_single"] = ratio("batch_intake_tps", "intake_rps")
     return f
 
 
@@ -543,6 +555,7 @@ def verdicts(figures: dict[str, Any]) -> dict[str, bool | None]:
         "interactive_p95_wait_s_under_flood": at_most("interactive_p95_wait_s_under_flood",
                                                       TARGETS["interactive_p95_wait_s_under_flood"]),
         "convert_vs_bare": at_least("convert_vs_bare", TARGETS["convert_vs_bare"]),
+        "batch_vs_single": at_least("batch_vs_single", TARGETS["batch_vs_single"]),
     }
 
 

@@ -182,17 +182,23 @@ class BatchOutcome:
 def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],
                       actor: str) -> list[BatchOutcome]:
     """Many submissions from one request: each is accepted, replayed or refused on its own, as a
-    single submission would be (its own transaction: never half written, and one refusal stops
-    nothing else)."""
+    single submission would be, inside its own savepoint (never half written; one refusal stops
+    nothing else), all of them committed together before the answer (durable before it, one
+    commit for the batch instead of one per submission). While it runs, the tenant's other
+    submissions wait for it, as they wait for each other."""
     outcomes = []
-    for request, key in items:
-        if isinstance(request, SluiceError):
-            outcomes.append(BatchOutcome(error=request))
-            continue
-        try:
-            outcomes.append(BatchOutcome(submitted=task_submit(tenant=tenant, request=request, idempotency_key=key, actor=actor)))
-        except SluiceError as error:
-            outcomes.append(BatchOutcome(error=error))
+    with transaction.atomic():
+        for request, key in items:
+            if isinstance(request, SluiceError):
+                outcomes.append(BatchOutcome(error=request))
+                continue
+            try:
+                with transaction.atomic():
+                    submitted = task_submit(tenant=tenant, request=request, idempotency_key=key, actor=actor)
+            except SluiceError as error:
+                outcomes.append(BatchOutcome(error=error))
+            else:
+                outcomes.append(BatchOutcome(submitted=submitted))
     return outcomes
 
 

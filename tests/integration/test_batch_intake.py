@@ -85,3 +85,35 @@ def test_the_batch_is_in_the_openapi_document(api):
     document = api.get("/api/v1/openapi.json").json()
     operation = document["paths"]["/api/v1/tasks/batch"]["post"]
     assert operation["operationId"] == "submitTaskBatch" and "200" in operation["responses"]
+
+
+def test_two_batches_racing_with_the_same_keys_make_one_task_per_key(vendor, tenant, token):
+    """Two business systems (or a retried request) send the same batch at once: each key ends as
+    one task, and both answers name it (one accepted it, the other replays it)."""
+    import threading
+
+    from django.db import connection
+    from django.test import Client
+
+    first = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+    file_id = upload(first)
+    items = [item(file_id, idempotency_key=f"race-{i}") for i in range(40)]
+    answers: list = [None, None]
+
+    def send(slot: int) -> None:
+        try:
+            answers[slot] = batch(Client(HTTP_AUTHORIZATION=f"Bearer {token}"), items).json()
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert Task.objects.count() == 40
+    for index in range(40):
+        a, b = answers[0]["data"][index], answers[1]["data"][index]
+        statuses = sorted([(a["status"], a.get("replayed")), (b["status"], b.get("replayed"))])
+        assert a.get("id") == b.get("id") or 409 in (a["status"], b["status"]), (a, b)
+        assert statuses in ([(202, False), (202, True)], [(202, False), (409, None)]), statuses

@@ -24,6 +24,7 @@ SETUPS = {
 }
 ROWS = [
     ("intake (tasks/s vs bare view)", "intake_rps", "bare_view_rps", "intake_ratio"),
+    ("batch intake (tasks/s vs single submissions)", "batch_intake_tps", "intake_rps", "batch_vs_single"),
     ("pipeline (tasks/s vs raw django-q2)", "pipeline_tps", "raw_q2_tps", "pipeline_vs_q2"),
     ("pipeline (tasks/s vs bare vendor loop)", "pipeline_tps", "bare_vendor_loop_tps", "pipeline_vs_vendor_loop"),
     ("upload to vendor (MB/s vs curl)", "upload_mb_s", "curl_upload_mb_s", "upload_ratio"),
