@@ -8,9 +8,10 @@ class TasksConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from tasks import q2pool
+        from tasks import costs, q2pool
 
         post_migrate.connect(_ensure_defaults, sender=self)
+        costs.install()  # only where SLUICE_COUNT_DIR is set (the benchmark)
         # Before any qcluster spawns a worker: an idle worker's death must not stop its lane,
         # and a best-effort lane's cluster yields the CPU to interactive work.
         q2pool.install()

@@ -13,6 +13,7 @@ from django.db import transaction
 from django_q.brokers import Broker, get_broker
 from django_q.tasks import async_task
 
+from tasks import costs
 from tasks.models import Lane
 
 _brokers: dict[tuple[int, str], Broker] = {}
@@ -33,6 +34,7 @@ def _broker(cluster: str) -> Broker:
 def send(func: str, *args: Any, cluster: str | None = None, name: str = "", timeout: int | None = None) -> None:
     cluster = cluster or control_cluster()
     options: dict[str, Any] = {"timeout": timeout} if timeout else {}
+    costs.count("queue_messages")
     async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100], **options)
 
 

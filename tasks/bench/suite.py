@@ -26,6 +26,7 @@ from django.conf import settings
 from django.db.models import Q
 
 from fakevendor.control import VendorControl
+from tasks import costs as costs_module
 from tasks.models import Lane, Task, TaskEvent, VendorChannel
 from tasks.poc import files
 from tasks.services.tenancy import tenant_ensure, token_issue
@@ -42,6 +43,8 @@ TARGETS = {
     "interactive_p95_wait_s_under_flood": 1.0,
     "convert_vs_bare": 2.0,
     "batch_vs_single": 5.0,
+    "statements_per_task": 15,
+    "queue_messages_per_task": 3,
 }
 BATCH_SIZE = 100
 PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
@@ -62,7 +65,7 @@ class Bench:
         self.stack = Stack(log_dir=workdir / "logs", env={
             "SLUICE_TIME_SCALE": str(scale), "SLUICE_DISPATCH_TICK_S": "0.02", "SLUICE_BENCH_VIEWS": "1",
             "SLUICE_LANE_WORKERS": f"interactive={WORKERS // 2},batch={WORKERS // 2},heavy=1,unknown-risk=1",
-            "SLUICE_LOG_LEVEL": "WARNING",
+            "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_COUNT_DIR": str(workdir / "costs"),
         })
         self.figures: dict[str, Any] = {}
 
@@ -152,6 +155,9 @@ class Bench:
             thread.join()
         return done[0] / (time.monotonic() - started)
 
+    def _costs(self) -> dict[str, int]:
+        return costs_module.totals(self.workdir / "costs")
+
     # --- figures -------------------------------------------------------------------------------
     def pipeline(self) -> None:
         count = 40 if self.quick else 150
@@ -159,6 +165,7 @@ class Bench:
         contents = [files.with_marker(files.wav(1), f"bench-{i}-{uuid.uuid4().hex}".encode()) for i in range(count)]
         with httpx.Client(timeout=60, trust_env=False) as client:
             file_ids = [self._upload(client, c) for c in contents]
+        costs_before = self._costs()
         started = time.monotonic()
         # Half interactive, half batch: both lanes' clusters work, as many workers as the references.
         ids = self._concurrently(count, 8, lambda client, i: self._submit(
@@ -171,6 +178,11 @@ class Bench:
             time.sleep(0.05)
         elapsed = time.monotonic() - started
         succeeded = Task.objects.filter(pk__in=ids, state=State.SUCCEEDED).count()
+        time.sleep(2 * costs_module.FLUSH_S + 0.2)  # every process has written what it counted
+        spent = self._costs()
+        # Everything the system did meanwhile, divided by the tasks (the dispatcher's idle ticks too).
+        for key, figure in (("statements", "statements_per_task"), ("queue_messages", "queue_messages_per_task")):
+            self.figures[figure] = round((spent.get(key, 0) - costs_before.get(key, 0)) / max(succeeded, 1), 1)
         self.figures["pipeline_tps"] = round(succeeded / elapsed, 2)
         self.figures["pipeline_tasks"] = count
         self.figures["pipeline_stages_median_s"] = self._stages(ids)
@@ -556,6 +568,8 @@ def verdicts(figures: dict[str, Any]) -> dict[str, bool | None]:
                                                       TARGETS["interactive_p95_wait_s_under_flood"]),
         "convert_vs_bare": at_least("convert_vs_bare", TARGETS["convert_vs_bare"]),
         "batch_vs_single": at_least("batch_vs_single", TARGETS["batch_vs_single"]),
+        "statements_per_task": at_most("statements_per_task", TARGETS["statements_per_task"]),
+        "queue_messages_per_task": at_most("queue_messages_per_task", TARGETS["queue_messages_per_task"]),
     }
 
 

@@ -25,6 +25,8 @@ SETUPS = {
 ROWS = [
     ("intake (tasks/s vs bare view)", "intake_rps", "bare_view_rps", "intake_ratio"),
     ("batch intake (tasks/s vs single submissions)", "batch_intake_tps", "intake_rps", "batch_vs_single"),
+    ("SQL statements per task (counted)", "statements_per_task", None, "statements_per_task"),
+    ("queue messages per task (counted)", "queue_messages_per_task", None, "queue_messages_per_task"),
     ("pipeline (tasks/s vs raw django-q2)", "pipeline_tps", "raw_q2_tps", "pipeline_vs_q2"),
     ("pipeline (tasks/s vs bare vendor loop)", "pipeline_tps", "bare_vendor_loop_tps", "pipeline_vs_vendor_loop"),
     ("upload to vendor (MB/s vs curl)", "upload_mb_s", "curl_upload_mb_s", "upload_ratio"),

@@ -1,0 +1,102 @@
+"""Counted costs, for the benchmark: SQL statements and queue messages, per process.
+
+Off unless SLUICE_COUNT_DIR names a directory. Then every process of the system counts each SQL
+statement it executes and each queue message it sends, and writes its totals to
+`<dir>/<pid>.json` at most every half second (and when asked): a benchmark sums the files before
+and after a run and divides by the tasks it ran. Counting is a few integer additions; nothing
+about the statements themselves is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+FLUSH_S = 0.5
+_counts = {"statements": 0, "queue_messages": 0}
+_lock = threading.Lock()
+_last_flush = [0.0]
+
+
+def directory() -> Path | None:
+    raw = os.environ.get("SLUICE_COUNT_DIR")
+    return Path(raw) if raw else None
+
+
+def count(kind: str, n: int = 1) -> None:
+    if directory() is None:
+        return
+    with _lock:
+        _counts[kind] = _counts.get(kind, 0) + n
+    if time.monotonic() - _last_flush[0] >= FLUSH_S:
+        flush()
+
+
+def flush() -> None:
+    folder = directory()
+    if folder is None:
+        return
+    _last_flush[0] = time.monotonic()
+    folder.mkdir(parents=True, exist_ok=True)
+    with _lock:
+        data = json.dumps(_counts)
+    target = folder / f"{os.getpid()}.json"
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(data)
+    os.replace(tmp, target)
+
+
+def totals(folder: Path) -> dict[str, int]:
+    """The sums over every process that wrote to `folder`."""
+    summed: dict[str, int] = {}
+    for path in folder.glob("*.json"):
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for key, value in values.items():
+            summed[key] = summed.get(key, 0) + int(value)
+    return summed
+
+
+def _statement(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+    count("statements")
+    return execute(sql, params, many, context)
+
+
+def install() -> None:
+    """Count every statement of every database connection this process opens (when enabled)."""
+    if directory() is None:
+        return
+    from django.db.backends.signals import connection_created
+
+    def wrap(sender: Any, connection: Any, **kwargs: Any) -> None:
+        if _statement not in connection.execute_wrappers:
+            connection.execute_wrappers.append(_statement)
+
+    connection_created.connect(wrap, weak=False, dispatch_uid="sluice-costs")
+    # A timer flushes what a process counted before it went idle; forked workers start their own
+    # (their parent's totals are not theirs).
+    _start_flusher()
+    os.register_at_fork(after_in_child=_forked)
+
+
+def _forked() -> None:
+    global _lock
+    _lock = threading.Lock()  # the parent's flusher may have held it at the fork
+    for key in _counts:
+        _counts[key] = 0
+    _start_flusher()
+
+
+def _start_flusher() -> None:
+    def keep_flushing() -> None:
+        while True:
+            time.sleep(FLUSH_S)
+            flush()
+
+    threading.Thread(target=keep_flushing, name="costs-flush", daemon=True).start()

@@ -1,0 +1,44 @@
+"""Counted costs (the benchmark's statements and queue messages per task): every process of the
+system counts what it executes, off unless SLUICE_COUNT_DIR is set."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tasks import costs
+from tasks.poc import files
+from tasks.services.tenancy import tenant_ensure, token_issue
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_submission_to_a_running_server_is_counted_in_statements_and_queue_messages(tmp_path):
+    from tasks.system import Stack
+
+    folder = tmp_path / "costs"
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_COUNT_DIR": str(folder)})
+    token = token_issue(tenant=tenant_ensure(name="counted")).token
+    try:
+        url = stack.start_web(workers=1, threads=2)
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30, trust_env=False) as client:
+            file_id = client.post("/api/v1/files", content=files.wav(1), headers={"Content-Type": "application/octet-stream"}).json()["id"]
+            time.sleep(2 * costs.FLUSH_S + 0.2)
+            before = costs.totals(folder)
+            answer = client.post("/api/v1/tasks", json={"file_id": file_id, "kind": "transcription", "target_format": "txt"})
+            assert answer.status_code == 202
+            time.sleep(2 * costs.FLUSH_S + 0.2)
+        after = costs.totals(folder)
+    finally:
+        stack.stop_all()
+    assert after["queue_messages"] - before.get("queue_messages", 0) == 1, "intake sends the pre-check step, once"
+    assert 5 <= after["statements"] - before.get("statements", 0) <= 60
+
+
+def test_counting_is_off_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLUICE_COUNT_DIR", raising=False)
+    costs.count("statements")
+    assert costs.directory() is None and not list(tmp_path.iterdir())
