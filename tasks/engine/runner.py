@@ -32,6 +32,7 @@ CONTENT_TYPES = {"pdf": "application/pdf", "html": "text/html", "txt": "text/pla
 OFFICE_FILTERS = {"pdf": "pdf", "html": "html", "txt": "txt:Text (encoded):UTF8"}
 # Test documents may carry these markers to stand for a document that hangs or eats the engine
 # (only where the job's request allows it: tests).
+WARM_CRASH_MARKER = b"SLUICE-ENGINE-WARM-CRASH"  # the warm converter fails on it, a fresh one does not
 TEST_MARKERS = {b"SLUICE-ENGINE-LOOP": "loop", b"SLUICE-ENGINE-ALLOCATE": "allocate", b"SLUICE-ENGINE-CRASH": "crash"}
 
 
@@ -118,11 +119,13 @@ def convert(request: dict[str, Any], job_dir: Path) -> Path:
     tmp.mkdir(exist_ok=True)
     work = tmp / f"input.{extension}"
     shutil.copyfile(source, work)
+    warm_breaks = False
     if request.get("test_markers"):
         head = work.read_bytes()[:1 << 20]
         for marker, kind in TEST_MARKERS.items():
             if marker in head:
                 run_limited(_test_command(kind), limits=limits, deadline=deadline, tmp=tmp)
+        warm_breaks = WARM_CRASH_MARKER in head
     current = work
     for step in steps:
         if step.startswith("office-") and request.get("warm"):
@@ -131,9 +134,22 @@ def convert(request: dict[str, Any], job_dir: Path) -> Path:
             settings = request["warm"]
             fmt = step.split("-", 1)[1]
             dest = tmp / f"out-warm.{fmt}"
-            if warm.convert(current, dest, extension=extension, root=job_dir.parent.parent, lane=settings["lane"],
-                            pool=settings["pool"], limits=limits, recycle_after=settings["recycle_after"],
-                            idle_s=settings["idle_s"], deadline=deadline, fmt=fmt):
+            try:
+                if warm_breaks:
+                    raise ConversionFailed("engine_crashed", "the warm converter failed (test marker)")
+                converted = warm.convert(current, dest, extension=extension, root=job_dir.parent.parent,
+                                         lane=settings["lane"], pool=settings["pool"], limits=limits,
+                                         recycle_after=settings["recycle_after"], idle_s=settings["idle_s"],
+                                         deadline=deadline, fmt=fmt)
+            except ConversionFailed as failed:
+                if failed.code == "engine_timeout":
+                    raise  # the job's wall clock is spent
+                # A long-running instance may be what broke (its state, not the document): the
+                # document gets a fresh LibreOffice of its own before it is called a failure.
+                converted = False
+                request["_warm_failed"] = failed.code
+                dest.unlink(missing_ok=True)
+            if converted:
                 current = dest
                 request["_converter"] = "warm"
                 continue
@@ -197,7 +213,8 @@ def run(job_dir: Path) -> None:
                 digest.update(block)
         outcome = {"status": "completed", "result": result.name, "sha256": digest.hexdigest(),
                    "size": result.stat().st_size, "content_type": CONTENT_TYPES[request["target"]],
-                   "converter": request.get("_converter", "cold")}
+                   "converter": request.get("_converter", "cold"),
+                   **({"warm_failed": request["_warm_failed"]} if request.get("_warm_failed") else {})}
     finally:
         # Before the final status: whoever sees the job ended sees its temporary files gone.
         shutil.rmtree(job_dir / "tmp", ignore_errors=True)

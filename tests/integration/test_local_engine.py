@@ -323,3 +323,22 @@ def test_html_and_text_exports_use_the_warm_converters_too(tmp_path, source, tar
     adapter.fetch_result(job_id, out, target_format=target)
     body = out.read_bytes()
     assert expect.lower() in body.lower() and b"Sluice marker words" in body, body[:300]
+
+
+def test_a_document_the_warm_converter_fails_on_gets_a_fresh_libreoffice_before_it_is_a_failure(tmp_path, settings):
+    from tasks.engine import warm
+
+    if not warm.available():
+        pytest.fail("Debian's python3-uno is missing: run `make engine` (make test and make run do).")
+    settings.ENGINE_TEST_MARKERS = True
+    path = tmp_path / "memo.rtf"  # plain bytes: the marker is seen (a .docx is compressed)
+    path.write_bytes(documents.rtf("SLUICE-ENGINE-WARM-CRASH Sluice marker words"))
+    adapter, job_id = convert(path, "pdf", lane="interactive")
+    view = finished(adapter, job_id)
+    assert view.status == "completed", view
+    status = __import__("json").loads((root() / "jobs" / job_id / "status.json").read_text())
+    assert status["converter"] == "cold" and status["warm_failed"] == "engine_crashed"
+    out = tmp_path / "memo.pdf"
+    adapter.fetch_result(job_id, out, target_format="pdf")
+    assert pages(out) == 1 and "Sluice marker words" in subprocess.run(["pdftotext", str(out), "-"], capture_output=True,
+                                                                         text=True).stdout
