@@ -38,11 +38,24 @@ def _package(main_part: str, overrides: dict[str, str]) -> dict[str, str]:
     }
 
 
-def docx(words: str = "Sluice marker words", *, pages: int = 1) -> bytes:
-    """A Word document of `pages` pages (page breaks), each saying `words` and its number."""
+VOCABULARY = ("the", "sluice", "gate", "water", "level", "channel", "report", "vendor", "result", "minutes",
+              "board", "meeting", "budget", "quarter", "review", "approved", "motion", "second", "carried",
+              "action", "owner", "deadline", "risk", "plan", "update", "customer", "contract", "clause",
+              "section", "appendix", "figure", "table", "total", "net", "gross", "margin", "forecast")
+
+
+def docx(words: str = "Sluice marker words", *, pages: int = 1, lines: int = 1) -> bytes:
+    """A Word document of `pages` pages (page breaks), each saying `words` and its number, and
+    `lines` paragraphs of text on each page in all."""
+    import random
+
+    rng = random.Random(f"{words}/{pages}/{lines}")  # the same document for the same arguments
     body = []
     for page in range(1, pages + 1):
         body.append(f'<w:p><w:r><w:t>{escape(words)} page {page}</w:t></w:r></w:p>')
+        # Prose-like filler: it compresses as text does (a run of one phrase would look like a zip bomb).
+        body.extend(f'<w:p><w:r><w:t>{" ".join(rng.choice(VOCABULARY) for _ in range(40))}</w:t></w:r></w:p>'
+                    for _ in range(1, lines))
         if page < pages:
             body.append('<w:p><w:r><w:br w:type="page"/></w:r></w:p>')
     return _zip({
