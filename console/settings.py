@@ -178,6 +178,8 @@ MAX_UPLOAD_BYTES = env("SLUICE_MAX_UPLOAD_BYTES", 2 * 1024**3)
 FILES_DIR = DATA_DIR / "files"
 RESULTS_DIR = DATA_DIR / "results"
 DISPATCH_TICK_S = env("SLUICE_DISPATCH_TICK_S", 0.2)
+# Deadlines, the watchdog, probes, notifications and housekeeping: at most this often (real s).
+DISPATCH_FULL_TICK_S = env("SLUICE_DISPATCH_FULL_TICK_S", 0.25)
 # A step's lease (nominal seconds, scaled) and its floor in real seconds.
 LEASE_S = env("SLUICE_LEASE_S", 30.0)
 LEASE_FLOOR_S = env("SLUICE_LEASE_FLOOR_S", 3.0)

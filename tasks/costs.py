@@ -37,17 +37,21 @@ def count(kind: str, n: int = 1) -> None:
 
 
 def flush() -> None:
+    """Write this process's totals; never raises (counting must not fail what it counts)."""
     folder = directory()
     if folder is None:
         return
     _last_flush[0] = time.monotonic()
-    folder.mkdir(parents=True, exist_ok=True)
-    with _lock:
+    with _lock:  # one writer per process at a time (a threaded web server counts from many)
         data = json.dumps(_counts)
-    target = folder / f"{os.getpid()}.json"
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(data)
-    os.replace(tmp, target)
+        target = folder / f"{os.getpid()}.json"
+        tmp = folder / f".{os.getpid()}.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(data)
+            os.replace(tmp, target)
+        except OSError:
+            pass
 
 
 def totals(folder: Path) -> dict[str, int]:

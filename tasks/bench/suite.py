@@ -65,7 +65,7 @@ class Bench:
         self.stack = Stack(log_dir=workdir / "logs", env={
             "SLUICE_TIME_SCALE": str(scale), "SLUICE_DISPATCH_TICK_S": "0.02", "SLUICE_BENCH_VIEWS": "1",
             "SLUICE_LANE_WORKERS": f"interactive={WORKERS // 2},batch={WORKERS // 2},heavy=1,unknown-risk=1",
-            "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_COUNT_DIR": str(workdir / "costs"),
+            "SLUICE_LOG_LEVEL": os.environ.get("SLUICE_BENCH_LOG_LEVEL", "WARNING"), "SLUICE_COUNT_DIR": str(workdir / "costs"),
         })
         self.figures: dict[str, Any] = {}
 
@@ -199,8 +199,14 @@ class Bench:
         count = 8 if self.quick else 24
         self.log(f"convert: {count} documents through the local engine and through a bare soffice loop")
         # The engine alone: with its slots busy, conversions would otherwise spill over to the vendor.
+        enabled = dict(VendorChannel.objects.values_list("name", "enabled"))
         VendorChannel.objects.filter(name="local").update(enabled=True)
-        VendorChannel.objects.filter(name="primary").update(enabled=False)
+        VendorChannel.objects.exclude(name="local").update(enabled=False)
+        # The bench's time scale shortens every nominal interval; the interactive lane's queue
+        # deadline (300 s) is kept at its real length, else documents waiting for a converter
+        # would expire after 3 s and the figure would count only the first few.
+        lane = Lane.objects.get(pk="interactive")
+        Lane.objects.filter(pk="interactive").update(queue_deadline_s=lane.queue_deadline_s / self.scale)
         docs = [documents.docx(f"Bench document {i} {uuid.uuid4().hex}", pages=3) for i in range(count)]
         bare_dir = self.workdir / "bare-convert"
         bare_dir.mkdir(parents=True, exist_ok=True)
@@ -237,11 +243,41 @@ class Bench:
         self.figures["bare_convert_docs_per_min"] = round(count / bare * 60, 1)
         self.figures["convert_p95_s"] = round(latencies[int(0.95 * (len(latencies) - 1))], 2) if latencies else None
         self.figures["convert_documents"] = count
-        VendorChannel.objects.filter(name="local").update(enabled=False)
-        VendorChannel.objects.filter(name="primary").update(enabled=True)
+        self.figures["convert_stages_median_s"] = self._stages(ids)
+        self.figures["convert_stages_max_s"] = self._stages(ids, how=max)
+        self.figures["convert_converters"] = self._converters(done)
+        expired = Task.objects.filter(pk__in=ids).exclude(state=State.SUCCEEDED).count()
+        if expired:
+            self.log(f"convert: {expired} of {count} documents did not succeed through the engine")
+        self.figures["convert_not_succeeded"] = expired
+        Lane.objects.filter(pk="interactive").update(queue_deadline_s=lane.queue_deadline_s)
+        for name, was in enabled.items():
+            VendorChannel.objects.filter(name=name).update(enabled=was)
 
-    def _stages(self, ids: list[str]) -> dict[str, float]:
-        """Median seconds a task spent between its states: where the pipeline's time goes."""
+    def _converters(self, tasks: list[Task]) -> dict[str, Any]:
+        """How the engine converted them (warm or cold) and how long the converter itself took."""
+        import json
+
+        from tasks.vendors.local import root
+
+        kinds: dict[str, int] = {}
+        seconds = []
+        for task in tasks:
+            job = task.vendor_job.vendor_job_id if task.vendor_job else None
+            try:
+                status = json.loads((root() / "jobs" / job / "status.json").read_text()) if job else {}
+            except (OSError, ValueError):
+                status = {}
+            kind = status.get("converter", "unknown")
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if status.get("started_at") and status.get("finished_at"):
+                seconds.append(status["finished_at"] - status["started_at"])
+        seconds.sort()
+        return {"by": kinds, "converter_median_s": round(statistics.median(seconds), 3) if seconds else None,
+                "converter_max_s": round(seconds[-1], 3) if seconds else None}
+
+    def _stages(self, ids: list[str], how: Callable = statistics.median) -> dict[str, float]:
+        """Median (or `how`) seconds a task spent between its states: where the pipeline's time goes."""
         spans: dict[str, list[float]] = {}
         for task_id in ids:
             # Transitions only (an event without a target state is a note, e.g. a fallback).
@@ -249,7 +285,7 @@ class Bench:
                           .values_list("to_state", "at"))
             for (state, at), (_, later) in zip(events, events[1:], strict=False):
                 spans.setdefault(state, []).append((later - at).total_seconds())
-        return {state: round(statistics.median(values), 3) for state, values in spans.items()}
+        return {state: round(how(values), 3) for state, values in spans.items()}
 
     def raw_q2(self) -> None:
         from django_q.brokers import get_broker

@@ -3,14 +3,16 @@ the conversion, not LibreOffice's start (as unoserver does).
 
 A slot is a directory under SLUICE_DATA_DIR/engine/warm/<lane>/<n>/. A converter process takes a
 slot by an exclusive lock on its `lock` file (so slots hold across processes), starts the slot's
-instance if none runs, converts over UNO with Debian's python3 (`uno_convert.py`) under the
-conversion's wall clock, and lets the slot go. Each instance runs under a supervisor
+instance if none runs, converts over UNO under the conversion's wall clock — through the slot's
+bridge (Debian's python3 running `uno_convert.py --serve`, connected to the instance for its
+whole life) or, while that is not listening yet, a one-shot `uno_convert.py` — and lets the slot
+go. Each instance runs under a supervisor
 (`python -m tasks.engine.warm SLOT ...`) that starts LibreOffice in its own process group with an
 address-space and output-size limit and no network (as root), and ends it — the whole group —
 after `recycle_after` conversions, when it has been idle for `idle_s`, or when a conversion
-overran (the converter kills the supervisor's group then). Only PDF exports of word-processing,
-spreadsheet and presentation documents go warm; everything else, and every conversion when
-Debian's python3-uno is missing, takes the cold path (one LibreOffice per conversion).
+overran (the converter kills the supervisor's group then). The exports in FILTERS go warm;
+everything else, and every conversion when Debian's python3-uno is missing, takes the cold path
+(one LibreOffice per conversion).
 """
 
 from __future__ import annotations
@@ -89,13 +91,16 @@ def _alive(pid: int | None) -> bool:
 def kill(slot: Path) -> None:
     """End the slot's instance: its supervisor's whole group (LibreOffice runs in its own)."""
     state = _state(slot)
-    # LibreOffice leads its own group; the supervisor (a daemon, not a group leader) is one process.
-    for pid, kill_one in ((state.get("soffice_pid"), os.killpg), (state.get("supervisor_pid"), os.kill)):
+    # LibreOffice and the UNO bridge lead their own groups; the supervisor (a daemon, not a group
+    # leader) is one process.
+    for pid, kill_one in ((state.get("soffice_pid"), os.killpg), (state.get("bridge_pid"), os.killpg),
+                          (state.get("supervisor_pid"), os.kill)):
         if pid and (kill_one is os.killpg or _alive(pid)):
             try:
                 kill_one(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+    (slot / "uno.sock").unlink(missing_ok=True)
     (slot / "state.json").unlink(missing_ok=True)
 
 
@@ -130,8 +135,11 @@ def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, 
                     kill(slot)
                     raise ConversionFailed("engine_timeout", f"the conversion took longer than its {limits['wall_s']} s")
                 try:
-                    done = subprocess.run([SYSTEM_PYTHON, str(CLIENT), pipe, str(source), str(dest), export],
-                                          capture_output=True, timeout=remaining, env={"PATH": "/usr/bin:/bin", "HOME": str(slot)})
+                    done = _via_bridge(slot, source, dest, export, remaining)
+                    if done is None:  # no bridge (yet): a one-shot UNO client
+                        done = subprocess.run([SYSTEM_PYTHON, str(CLIENT), pipe, str(source), str(dest), export],
+                                              capture_output=True, timeout=remaining,
+                                              env={"PATH": "/usr/bin:/bin", "HOME": str(slot)})
                 except subprocess.TimeoutExpired:
                     kill(slot)  # an instance stuck on a document is not reused
                     raise ConversionFailed("engine_timeout",
@@ -150,6 +158,40 @@ def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, 
             _write_state(slot, conversions=_state(slot).get("conversions", 0) + 1, last_used=time.time())
             return True
     return False
+
+
+def _via_bridge(slot: Path, source: Path, dest: Path, export: str, timeout: float) -> subprocess.CompletedProcess | None:
+    """Convert through the slot's UNO bridge (a python3 kept connected to the instance), or None
+    when it has none listening. A bridge that does not answer in time is a timeout."""
+    import socket
+
+    path = slot / "uno.sock"
+    if not path.exists():
+        return None
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(max(timeout, 0.01))
+    try:
+        try:
+            client.connect(str(path))
+        except OSError:
+            return None  # gone with its instance
+        client.sendall(f"{source}\t{dest}\t{export}\n".encode())
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = client.recv(256)
+            if not chunk:
+                break
+            reply += chunk
+    except TimeoutError:
+        raise subprocess.TimeoutExpired("uno bridge", timeout) from None
+    except OSError:
+        return None
+    finally:
+        client.close()
+    code, _, reason = reply.decode(errors="replace").strip().partition(" ")
+    if not code.isdigit():
+        return None  # it ended while answering: the one-shot client says what the instance does
+    return subprocess.CompletedProcess(["uno bridge"], int(code), b"", reason.encode())
 
 
 def _start(slot: Path, *, limits: dict[str, int], recycle_after: int, idle_s: float) -> None:
@@ -174,7 +216,11 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
     # CPU is bounded per conversion by its wall clock; the instance's own CPU limit is its whole life's.
     office = subprocess.Popen(command, cwd=slot, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, preexec_fn=_limits(3600, memory_mb, output_mb))
-    _write_state(slot, supervisor_pid=os.getpid(), soffice_pid=office.pid)
+    (slot / "uno.sock").unlink(missing_ok=True)
+    bridge = subprocess.Popen([SYSTEM_PYTHON, str(CLIENT), "--serve", pipe, str(slot / "uno.sock")], cwd=slot,
+                              env={"PATH": "/usr/bin:/bin", "HOME": str(slot)}, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _write_state(slot, supervisor_pid=os.getpid(), soffice_pid=office.pid, bridge_pid=bridge.pid)
     try:
         while office.poll() is None:
             time.sleep(0.5)
@@ -186,11 +232,13 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
             if (used_up or idle) and _free(slot):
                 break
     finally:
-        try:
-            os.killpg(office.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        office.wait()
+        for process in (office, bridge):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+        (slot / "uno.sock").unlink(missing_ok=True)
         if _state(slot).get("pipe") == pipe:
             (slot / "state.json").unlink(missing_ok=True)
         shutil.rmtree(profile, ignore_errors=True)

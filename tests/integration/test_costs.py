@@ -42,3 +42,29 @@ def test_counting_is_off_by_default(tmp_path, monkeypatch):
     monkeypatch.delenv("SLUICE_COUNT_DIR", raising=False)
     costs.count("statements")
     assert costs.directory() is None and not list(tmp_path.iterdir())
+
+
+def test_many_threads_counting_at_once_never_fail_what_they_count(tmp_path, monkeypatch):
+    """A threaded web server counts from many threads: flushing at the same moment must not raise
+    into the statement being counted (it did: FileNotFoundError, a 500 on submit)."""
+    import threading
+
+    monkeypatch.setenv("SLUICE_COUNT_DIR", str(tmp_path / "costs"))
+    monkeypatch.setattr(costs, "FLUSH_S", 0.0)  # every count flushes: the race, as often as it can happen
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(300):
+                costs.count("statements")
+        except BaseException as error:  # noqa: BLE001 - the test looks for any
+            errors.append(error)
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    costs.flush()
+    assert not errors, errors[:3]
+    assert costs.totals(tmp_path / "costs")["statements"] >= 2400

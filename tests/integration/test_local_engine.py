@@ -281,7 +281,7 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
     slot = root() / "warm" / "interactive" / "0"
     for lane_slot in (root() / "warm").glob("*/*"):
         warm.kill(lane_slot)  # instances of earlier tests were started with other settings
-    instances = []
+    instances, bridges = [], []
     for index in range(3):
         path = tmp_path / f"memo-{index}.docx"
         path.write_bytes(documents.docx(f"Warm memo {index}", pages=2))
@@ -293,16 +293,21 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
         out = tmp_path / f"memo-{index}.pdf"
         adapter.fetch_result(job_id, out, target_format="pdf")
         assert pages(out) == 2
-        instances.append(__import__("json").loads((slot / "state.json").read_text())["soffice_pid"])
+        state = __import__("json").loads((slot / "state.json").read_text())
+        instances.append(state["soffice_pid"])
+        bridges.append(state["bridge_pid"])
         if index == 1:  # used up: the supervisor retires it once it is free
             deadline = time.monotonic() + 5
             while (slot / "state.json").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
     assert instances[0] == instances[1] != instances[2]
+    # The UNO bridge lives with its instance: a conversion costs no Python start and no new connection.
+    assert bridges[0] == bridges[1] != bridges[2] and (slot / "uno.sock").exists()
     deadline = time.monotonic() + 10  # idle: it ends by itself, its group and profile with it
     while (slot / "state.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not (slot / "state.json").exists() and not (slot / "profile").exists()
+    assert not (slot / "state.json").exists() and not (slot / "profile").exists() and not (slot / "uno.sock").exists()
+    assert not Path(f"/proc/{bridges[2]}").exists() or b"uno_convert" not in Path(f"/proc/{bridges[2]}/cmdline").read_bytes()
     assert not Path(f"/proc/{instances[2]}").exists() or b"soffice" not in Path(f"/proc/{instances[2]}/cmdline").read_bytes()
 
 

@@ -24,7 +24,7 @@ SETUPS = {
 }
 ROWS = [
     ("intake (tasks/s vs bare view)", "intake_rps", "bare_view_rps", "intake_ratio"),
-    ("batch intake (tasks/s vs single submissions)", "batch_intake_tps", "intake_rps", "batch_vs_single"),
+    ("batch intake (tasks/s vs single)", "batch_intake_tps", "intake_rps", "batch_vs_single"),
     ("SQL statements per task (counted)", "statements_per_task", None, "statements_per_task"),
     ("queue messages per task (counted)", "queue_messages_per_task", None, "queue_messages_per_task"),
     ("pipeline (tasks/s vs raw django-q2)", "pipeline_tps", "raw_q2_tps", "pipeline_vs_q2"),
@@ -103,7 +103,7 @@ class Command(BaseCommand):
             finally:
                 scratch.kill_leftovers()
                 figures = json.loads(out.read_text()) if out.exists() else {"error": "the benchmark process failed"}
-                scratch.cleanup(keep=False)
+                scratch.cleanup(keep=bool(os.environ.get("SLUICE_BENCH_KEEP")))
             return figures
         finally:
             for key, value in previous.items():

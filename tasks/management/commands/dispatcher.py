@@ -25,12 +25,17 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
         signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
         interval = float(settings.DISPATCH_TICK_S)
+        full_every = max(float(settings.DISPATCH_FULL_TICK_S), interval)
         log_event("dispatcher_started", delay_s=interval)
+        last_full = 0.0
         while not stopping:
             started = time.monotonic()
             close_old_connections()
+            full = started - last_full >= full_every
             try:
-                tick()
+                tick(full=full)
+                if full:
+                    last_full = started
             except Exception as exc:
                 log_event("dispatch_error", 40, exception=exc)
             if once:
