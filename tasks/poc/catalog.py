@@ -303,8 +303,9 @@ SCENARIOS += [
                  "probability": 0.6}],
         # A poll budget shorter than the downloads' waits: a completed job must outlive it.
         channels={"primary": {**ROOMY, "poll_budget_s": 20}, "fallback": {"enabled": False}},
+        # About 5 requests make a task; waiting out the 429s adds a few: twice that is the bound.
         checks=[C.all_succeeded, C.one_billed_job_per_task, C.completed_jobs_fetched, C.downloads_not_repolled,
-                C.retries_waited_retry_after],
+                C.retries_waited_retry_after, C.requests_per_task_under(15)],
     ),
     Scenario(
         name="garbled-response",
@@ -319,7 +320,7 @@ SCENARIOS += [
             {"endpoint": "GET /v1/jobs", "type": "malformed", "params": {"body": "truncated_json"}, "probability": 0.2},
         ],
         channels={"primary": {**ROOMY, "max_attempts": 10}, "fallback": {"enabled": False}},
-        checks=[C.malformed_answers_classified, C.one_billed_job_per_task,
+        checks=[C.malformed_answers_classified, C.one_billed_job_per_task, C.requests_per_task_under(15),
                 partial(C.outcomes_by_error, allowed={"SUCCEEDED": ("",), "FAILED": ("redirected",)})],
     ),
     Scenario(
@@ -329,10 +330,11 @@ SCENARIOS += [
         tasks=20,
         workload=[Submit(share=0.6), Submit(share=0.4, priority="batch")],
         faults=[{"id": "outage", "endpoint": "* *", "type": "http_error", "params": {"status": 503, "code": "unavailable"}}],
-        channels={"primary": ROOMY, "fallback": ROOMY},
+        # The shipped budgets and retry budget: a three-minute outage must not use up the retries.
         actions=[Action("both vendors recover after three minutes", do=actions.vendor_recovers("outage", wait_nominal_s=0),
                         at_s=180)],
-        checks=[C.all_succeeded, C.no_dead_letters, C.waited_for("all_channels_down"), C.one_billed_job_per_task],
+        checks=[C.all_succeeded, C.no_dead_letters, C.waited_for("all_channels_down"), C.one_billed_job_per_task,
+                C.requests_per_task_under(15)],
     ),
 ]
 
