@@ -7,7 +7,8 @@ explicit `sequence` of fault types (or "ok") replaces `type` for successive matc
 
 Types fall in three families; a request gets at most one rule of each family:
 - wire: what happens on the socket (delay, stall, dribble, bandwidth, http_error, rate_limit,
-  reset, close, garbage, goaway, response_lost, redirect, malformed);
+  reset, close, garbage, goaway, response_lost, redirect, malformed, slicer, and Toxiproxy's
+  timeout, reset_peer, limit_data and slow_close);
 - create: how a job create behaves (ignore_idempotency, duplicate_create, duplicate_on_create);
 - job: what the created job does later (job_fail, stuck, digest_mismatch, input_digest_mismatch,
   transient_404).
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "goaway",
-        "response_lost", "redirect", "malformed", "slicer")
+        "response_lost", "redirect", "malformed", "slicer", "timeout", "reset_peer", "limit_data", "slow_close")
 CREATE = ("ignore_idempotency", "duplicate_create", "duplicate_on_create")
 JOB = ("job_fail", "stuck", "digest_mismatch", "input_digest_mismatch", "transient_404")
 MALFORMED_BODIES = ("not_json", "truncated_json", "missing_fields", "wrong_types", "empty")
@@ -70,6 +71,10 @@ PARAMETERS: dict[str, tuple[Param, ...]] = {
                   Param("status", "integer", help="200-299: a success with a broken body")),
     "slicer": (Param("average_size", "integer", example=16), Param("size_variation", "integer", example=4),
                Param("delay_ms", example=50)),
+    "timeout": (Param("ms", example=5000, help="pass no data, then close (empty: hold until the client gives up)"),),
+    "reset_peer": (Param("ms", required=True, example=1000, help="wait this long, then reset the connection (TCP RST)"),),
+    "limit_data": (Param("bytes", "integer", True, 200, help="the answer is cut off after this many bytes (the request was processed)"),),
+    "slow_close": (Param("ms", required=True, example=3000, help="after the answer, keep the connection open this long, then close"),),
     "ignore_idempotency": (),
     "duplicate_create": (Param("copies", "integer", True, 2, help="jobs created (and billed) per request"),),
     "duplicate_on_create": (Param("copies", "integer", example=2),),
@@ -173,6 +178,12 @@ def validate_params(kind: str, params: dict[str, Any]) -> None:
             _number(params, "after_bytes", required=True, integer=True)
     elif kind == "garbage":
         _number(params, "bytes", minimum=1, integer=True)
+    elif kind == "timeout":
+        _number(params, "ms")
+    elif kind in ("reset_peer", "slow_close"):
+        _number(params, "ms", required=True)
+    elif kind == "limit_data":
+        _number(params, "bytes", required=True, integer=True)
     elif kind == "goaway":
         _number(params, "last_stream_id", integer=True)
         _number(params, "error_code", integer=True)

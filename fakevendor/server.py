@@ -198,6 +198,16 @@ class Connection:
         self._write(h11.EndOfMessage())
         await self.writer.drain()
 
+    async def respond_truncated(self, status: int, headers: list[tuple[str, str]], body: bytes | Path, *, limit: int) -> None:
+        """The answer's first `limit` bytes (status line and headers included), then the close."""
+        payload = body.read_bytes() if isinstance(body, Path) else body
+        wire = self.h11.send(h11.Response(status_code=status, reason=_reason(status), headers=[
+            *headers, ("Content-Length", str(len(payload))), ("Date", formatdate(usegmt=True))]))
+        wire += self.h11.send(h11.Data(data=payload)) if payload else b""
+        self.writer.write(wire[:limit])
+        await self.writer.drain()
+        self.close()
+
     async def respond_sliced(self, status: int, headers: list[tuple[str, str]], body: bytes | Path, *, size: int,
                              variation: int, delay_s: float, rng: Any) -> None:
         """The whole answer written in small pieces, each after a delay."""
@@ -501,6 +511,12 @@ class FakeVendor:
             else:
                 await conn.stall_forever()
             return status, f"response_lost:{mode}"
+        if wire and wire.type == "limit_data" and isinstance(conn, Connection):
+            # Processed, then the answer stops after N bytes (status line and headers count) and
+            # the connection closes: the client holds a truncated answer.
+            await conn.respond_truncated(status, self._headers(request.channel, channel, headers), body,
+                                         limit=int(wire.params["bytes"]))
+            return status, "limit_data"
         dribble = None
         if wire and wire.type == "dribble":
             dribble = (int(wire.params["chunks"]), self.scaled(wire.params["total_ms"]))
@@ -512,8 +528,14 @@ class FakeVendor:
                                       size=int(params.get("average_size", 1)), variation=int(params.get("size_variation", 0)),
                                       delay_s=self.scaled(params.get("delay_ms", 1000)), rng=wire.rng)
             return status, "slicer"
+        slow_close = wire is not None and wire.type == "slow_close" and isinstance(conn, Connection)
         await conn.respond(status, self._headers(request.channel, channel, headers), body, dribble=dribble,
-                           bytes_per_s=down_bandwidth)
+                           bytes_per_s=down_bandwidth, close=slow_close)
+        if slow_close:
+            # The whole answer was sent; the server lingers before it closes (Toxiproxy's slow_close).
+            await asyncio.sleep(self.scaled(wire.params["ms"]))
+            conn.close()
+            return status, "slow_close"
         return status, "dribble" if dribble else "bandwidth" if down_bandwidth else "ok"
 
     async def _wire_before(
@@ -567,6 +589,18 @@ class FakeVendor:
             await self._discard_body(conn, request)
             await conn.garbage(int(params.get("bytes", 64)), wire.rng)
             return None, "garbage"
+        if kind == "timeout":
+            # Toxiproxy's timeout: nothing passes (the request is not processed), then the close.
+            if not params.get("ms"):
+                await conn.stall_forever()
+                return None, "timeout"
+            await asyncio.sleep(self.scaled(params["ms"]))
+            conn.close()
+            return None, "timeout"
+        if kind == "reset_peer":
+            await asyncio.sleep(self.scaled(params["ms"]))
+            conn.reset()
+            return None, "reset_peer"
         if kind == "goaway":
             # Refused before processing: with the default last-stream-id the client may resend.
             await conn.goaway(last_stream_id=params.get("last_stream_id"), error_code=int(params.get("error_code", 0)))

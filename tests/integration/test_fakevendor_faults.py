@@ -485,3 +485,66 @@ def test_amnesia_forgets_uploads_jobs_and_keys_but_not_what_was_billed(fake, htt
     assert http.get("/v1/jobs", params={"client_ref": "ref-1"}).json()["data"] == []
     assert len(ledger(http, "ref-1")) == 1, "the bill stays"
     assert create(http, up["upload_id"]).status_code in (404, 422), "the upload is gone too"
+
+
+# --- Toxiproxy's toxics, seen from a client over real sockets ------------------------------------------
+def test_timeout_passes_nothing_then_closes_and_the_request_is_not_processed(fake, http):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "timeout", "params": {"ms": 4000}})
+    started = time.monotonic()
+    with pytest.raises(httpx.RemoteProtocolError):
+        upload(http)
+    assert time.monotonic() - started >= 4 * SCALE
+    assert fake.journal()[-1]["outcome"] == "timeout" and fake.journal()[-1]["status"] is None
+    fake.clear_rules()
+    assert http.get("/v1/usage").json()["data"] == [] and not fake.invariants()["billed_jobs"]
+
+
+def test_timeout_without_ms_holds_until_the_client_gives_up(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "timeout"})
+    with pytest.raises(httpx.ReadTimeout):
+        http.get("/v1/jobs", params={"client_ref": "x"}, timeout=httpx.Timeout(5, read=0.3))
+
+
+def test_reset_peer_resets_the_connection_after_its_delay(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/jobs", "type": "reset_peer", "params": {"ms": 4000}})
+    started = time.monotonic()
+    with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)) as info:
+        http.get("/v1/jobs", params={"client_ref": "x"})
+    assert time.monotonic() - started >= 4 * SCALE
+    assert _server_reset_seen(info.value)
+
+
+def test_limit_data_cuts_a_processed_answer_after_n_bytes(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "limit_data", "params": {"bytes": 120}})
+    with pytest.raises(httpx.RemoteProtocolError):
+        create(http, up["upload_id"])
+    assert fake.journal()[-1]["outcome"] == "limit_data"
+    assert len(ledger(http, "ref-1")) == 1, "the job was created and billed: only its answer was cut"
+    raw = socket.create_connection(("127.0.0.1", int(http.base_url.port)), timeout=5)
+    fake.clear_rules()
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "limit_data", "params": {"bytes": 50}})
+    raw.sendall(f"GET /v1/usage HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    received = b""
+    while chunk := raw.recv(4096):
+        received += chunk
+    raw.close()
+    assert len(received) == 50 and received.startswith(b"HTTP/1.1 200")
+
+
+def test_slow_close_sends_the_whole_answer_then_keeps_the_connection_open_before_closing(fake, http):
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "slow_close", "params": {"ms": 6000}})
+    raw = socket.create_connection(("127.0.0.1", int(http.base_url.port)), timeout=10)
+    raw.sendall(f"GET /v1/usage HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    started = time.monotonic()
+    received, answered_at = b"", None
+    while chunk := raw.recv(4096):
+        received += chunk
+        if answered_at is None and b"\r\n\r\n" in received and received.rstrip().endswith(b"}"):
+            answered_at = time.monotonic()
+    closed_at = time.monotonic()
+    raw.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"200" in head.split(b"\r\n")[0] and json.loads(body)["data"] == []
+    assert answered_at is not None and answered_at - started < 6 * SCALE
+    assert closed_at - started >= 6 * SCALE, "the close came at once"
