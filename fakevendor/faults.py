@@ -29,6 +29,9 @@ JOB = ("job_fail", "stuck", "digest_mismatch", "input_digest_mismatch", "transie
 MALFORMED_BODIES = ("not_json", "truncated_json", "missing_fields", "wrong_types", "empty")
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 TYPES = WIRE + CREATE + JOB
+# Wire types a rule may stack (`"stack": true`): they delay a request and let it go on, so they
+# chain with whichever other wire fault then fires, in priority order (Toxiproxy's toxic chain).
+STACKABLE = ("delay", "stall")
 FAMILY = {**{t: "wire" for t in WIRE}, **{t: "create" for t in CREATE}, **{t: "job" for t in JOB}}
 METHODS = ("GET", "POST", "PUT", "DELETE", "*")
 
@@ -233,6 +236,7 @@ class Rule:
     times: int | None = None
     sequence: list[str] | None = None
     priority: int = 0
+    stack: bool = False  # a latency that applies before whichever other wire fault fires (a chain)
     order: int = 0
     # Runtime counters (not part of the definition).
     matched: int = 0
@@ -263,6 +267,7 @@ class Rule:
             "times": self.times,
             "sequence": self.sequence,
             "priority": self.priority,
+            "stack": self.stack,
             "matched": self.matched,
             "applied": self.applied,
         }
@@ -272,7 +277,8 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
     """Validate a rule definition; RuleError names the first bad field."""
     if not isinstance(data, dict):
         raise RuleError("rule", "must be a JSON object")
-    known = {"id", "endpoint", "match", "type", "params", "probability", "after", "times", "sequence", "priority"}
+    known = {"id", "endpoint", "match", "type", "params", "probability", "toxicity", "after", "times", "sequence",
+             "priority", "stack"}
     for key in data:
         if key not in known:
             raise RuleError(key, "is not a rule field")
@@ -315,7 +321,12 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
             raise RuleError("match.header", "must be an object of header names to values")
         if key != "header" and not isinstance(value, str):
             raise RuleError(f"match.{key}", "must be a string")
-    probability = data.get("probability", 1.0)
+    if "toxicity" in data and "probability" in data:
+        raise RuleError("toxicity", "give probability or toxicity (Toxiproxy's name for it), not both")
+    probability = data.get("toxicity", data.get("probability", 1.0))
+    field_name = "toxicity" if "toxicity" in data else "probability"
+    if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
+        raise RuleError(field_name, "must be a number between 0 and 1")
     if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
         raise RuleError("probability", "must be a number between 0 and 1")
     after = data.get("after", 0)
@@ -327,9 +338,14 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
     priority = data.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise RuleError("priority", "must be an integer")
+    stack = data.get("stack", False)
+    if not isinstance(stack, bool):
+        raise RuleError("stack", "must be true or false")
+    if stack and ({kind, *(sequence or [])} - {None, "ok"}) - set(STACKABLE):
+        raise RuleError("stack", f"only latencies stack before another fault: {', '.join(STACKABLE)}")
     rule = Rule(
         id=rule_id, endpoint=endpoint, type=kind, params=params, match=match,
-        probability=float(probability), after=after, times=times, sequence=sequence, priority=priority,
+        probability=float(probability), after=after, times=times, sequence=sequence, priority=priority, stack=stack,
     )
     if len(rule.families()) > 1:
         raise RuleError("sequence", "all fault types of one rule must belong to the same family")
@@ -368,7 +384,7 @@ class FaultEngine:
         self.seed = seed
         self.rules: list[Rule] = []
         self._rngs: dict[str, random.Random] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._counter = 0
 
     def set_seed(self, seed: int) -> None:
@@ -407,36 +423,61 @@ class FaultEngine:
         return self._rngs[rule_id]
 
     def decide(self, facts: RequestFacts, family: str) -> Decision | None:
-        """The rule of `family` this request matched (its type "ok" if it did not fire), if any."""
+        """The rule of `family` this request matched (its type "ok" if it did not fire), if any.
+        Stacked rules are not chosen here (see decide_chain)."""
+        return self._decide(facts, family, stacked=False)
+
+    def decide_chain(self, facts: RequestFacts) -> tuple[list[Decision], Decision | None]:
+        """The wire faults of one request, in the order they act: every stacked latency that fires
+        (priority order), then the one other wire fault chosen as `decide` chooses it."""
+        chain = []
         with self._lock:
-            candidates = sorted(
-                (r for r in self.rules if family in r.families() and _matches(r, facts)),
-                key=lambda r: (-r.priority, r.order),
-            )
+            for rule in self._candidates(facts, "wire", stacked=True):
+                decision = self._fire(rule)
+                if decision is not None and decision.applied:
+                    chain.append(decision)
+        return chain, self._decide(facts, "wire", stacked=False)
+
+    def _candidates(self, facts: RequestFacts, family: str, *, stacked: bool) -> list[Rule]:
+        return sorted((r for r in self.rules if family in r.families() and r.stack == stacked and _matches(r, facts)),
+                      key=lambda r: (-r.priority, r.order))
+
+    def _fire(self, rule: Rule) -> Decision | None:
+        """Count a match of `rule`: its decision if it fires, an "ok" decision if its draw missed,
+        None if it is not due (after, times, sequence spent). Call under the lock."""
+        rule.matched += 1
+        if rule.matched <= rule.after:
+            return None
+        if rule.times is not None and rule.applied >= rule.times:
+            return None
+        rng = self._rng(rule.id)
+        draw = None
+        if rule.probability < 1.0:
+            draw = rng.random()
+            if draw >= rule.probability:
+                return Decision(rule_id=rule.id, type="ok", params=rule.params, draw=draw, rng=rng)
+        if rule.sequence is not None:
+            index = rule.matched - rule.after - 1
+            if index >= len(rule.sequence):
+                return None
+            kind = rule.sequence[index]
+        else:
+            kind = rule.type
+        rule.applied += 1
+        return Decision(rule_id=rule.id, type=kind, params=rule.params, draw=draw, rng=rng)
+
+    def _decide(self, facts: RequestFacts, family: str, *, stacked: bool) -> Decision | None:
+        with self._lock:
             missed: Decision | None = None
-            for rule in candidates:
-                rule.matched += 1
-                if rule.matched <= rule.after:
+            for rule in self._candidates(facts, family, stacked=stacked):
+                decision = self._fire(rule)
+                if decision is None:
                     continue
-                if rule.times is not None and rule.applied >= rule.times:
+                if not decision.applied:
+                    # This rule did not fire; a lower one still gets its own chance.
+                    missed = missed or decision
                     continue
-                rng = self._rng(rule.id)
-                draw = None
-                if rule.probability < 1.0:
-                    draw = rng.random()
-                    if draw >= rule.probability:
-                        # This rule did not fire; a lower one still gets its own chance.
-                        missed = missed or Decision(rule_id=rule.id, type="ok", params=rule.params, draw=draw, rng=rng)
-                        continue
-                if rule.sequence is not None:
-                    index = rule.matched - rule.after - 1
-                    if index >= len(rule.sequence):
-                        continue
-                    kind = rule.sequence[index]
-                else:
-                    kind = rule.type
-                rule.applied += 1
-                return Decision(rule_id=rule.id, type=kind, params=rule.params, draw=draw, rng=rng)
+                return decision
             return missed
 
 

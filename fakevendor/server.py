@@ -465,10 +465,16 @@ class FakeVendor:
             method=request.method, path=request.route, channel=request.channel,
             headers=request.headers, client_ref=request.client_ref, kind=kind,
         )
-        wire = self.faults.decide(facts, "wire")
+        chain, wire = self.faults.decide_chain(facts)
         if wire:
             request.rule_id, request.draw = wire.rule_id, wire.draw
             wire = wire if wire.applied else None
+        if chain:
+            # Stacked latencies first, in their order; the journal names the whole chain.
+            request.rule_id = "+".join([*(d.rule_id for d in chain), *([request.rule_id] if request.rule_id else [])])
+            for link in chain:
+                if await self._wire_before(conn, request, link, channel) is not None:
+                    return None, link.type
         if wire:
             early = await self._wire_before(conn, request, wire, channel)
             if early is not None:

@@ -548,3 +548,49 @@ def test_slow_close_sends_the_whole_answer_then_keeps_the_connection_open_before
     assert b"200" in head.split(b"\r\n")[0] and json.loads(body)["data"] == []
     assert answered_at is not None and answered_at - started < 6 * SCALE
     assert closed_at - started >= 6 * SCALE, "the close came at once"
+
+
+def test_a_stack_of_latency_and_a_five_percent_reset_applies_both_to_one_request(fake, http):
+    """Toxiproxy's chain: a stacked latency on every call, then a 5 % reset drawn on its own."""
+    fake.set_seed(7)
+    fake.add_rule({"id": "latency", "endpoint": "GET /v1/jobs", "type": "delay", "params": {"ms": 1000}, "stack": True})
+    fake.add_rule({"id": "resets", "endpoint": "GET /v1/jobs", "type": "reset", "toxicity": 0.05})
+    outcomes, slow = [], []
+    for _ in range(60):
+        started = time.monotonic()
+        try:
+            http.get("/v1/jobs", params={"client_ref": "x"})
+            outcomes.append("ok")
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            outcomes.append("reset")
+        slow.append(time.monotonic() - started >= 1.0 * SCALE)
+    assert all(slow), "every call got the latency, reset or not"
+    assert 1 <= outcomes.count("reset") <= 10, outcomes.count("reset")
+    entries = [e for e in fake.journal() if e["endpoint"] == "GET /v1/jobs"]
+    assert {e["rule_id"] for e in entries} == {"latency+resets"}
+    assert {e["outcome"] for e in entries if e["status"] is None} == {"reset"}
+    rules = {r["id"]: r for r in fake.rules()}
+    assert rules["latency"]["applied"] == 60 and rules["latency"]["stack"] is True
+
+
+def test_the_same_seed_gives_the_same_stack_of_faults(fake, http):
+    def run() -> list[str]:
+        fake.reset()
+        fake.set_seed(11)
+        fake.add_rule({"id": "lat", "endpoint": "GET /v1/jobs", "type": "delay", "params": {"ms": 100}, "stack": True})
+        fake.add_rule({"id": "err", "endpoint": "GET /v1/jobs", "type": "http_error", "params": {"status": 503}, "toxicity": 0.3})
+        return [str(http.get("/v1/jobs", params={"client_ref": "x"}).status_code) for _ in range(20)]
+
+    assert run() == run()
+
+
+@pytest.mark.parametrize("rule,field", [
+    ({"endpoint": "GET /v1/jobs", "type": "reset", "stack": True}, "stack"),
+    ({"endpoint": "GET /v1/jobs", "type": "delay", "params": {"ms": 1}, "stack": "yes"}, "stack"),
+    ({"endpoint": "GET /v1/jobs", "type": "reset", "toxicity": 2}, "toxicity"),
+    ({"endpoint": "GET /v1/jobs", "type": "reset", "toxicity": 0.5, "probability": 0.5}, "toxicity"),
+])
+def test_stacking_and_toxicity_are_checked(fake, rule, field):
+    with pytest.raises(ControlError) as info:
+        fake.add_rule(rule)
+    assert info.value.status == 400 and info.value.field == field

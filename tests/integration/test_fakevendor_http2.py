@@ -173,7 +173,7 @@ class RawH2:
 
 
 def test_goaway_frame_with_a_chosen_last_stream_id_lets_lower_streams_finish(fake, vendor_server):
-    fake.add_rule({"endpoint": "GET /v1/jobs", "match": {"client_ref": "slow"}, "type": "delay", "params": {"ms": 800}})
+    fake.add_rule({"endpoint": "GET /v1/jobs", "match": {"client_ref": "slow"}, "type": "delay", "params": {"ms": 8000}})
     fake.add_rule({"endpoint": "GET /v1/jobs", "match": {"client_ref": "bye"}, "type": "goaway",
                    "params": {"last_stream_id": 1, "error_code": 2}})
     raw = RawH2(vendor_server)
