@@ -36,6 +36,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         name="big-upload-timeout",
+        dialects=BOTH,
         summary="a large file over a slow link: a fixed short request timeout fails every time, the size-derived "
                 "timeout succeeds, and no duplicate job is billed either way",
         tasks=12,
@@ -295,6 +296,7 @@ SCENARIOS += [
     ),
     Scenario(
         name="result-rate-limited",
+        dialects=BOTH,
         summary="429s on result downloads: completed jobs are fetched (Retry-After first), never abandoned or "
                 "replaced by a new billed job",
         tasks=24,
@@ -325,6 +327,7 @@ SCENARIOS += [
     ),
     Scenario(
         name="dual-outage-wait",
+        dialects=BOTH,
         summary="both channels answer 503 for a while, then recover: tasks wait durably (all_channels_down) and "
                 "all succeed, no dead letters",
         tasks=20,
@@ -362,6 +365,7 @@ SCENARIOS += [
 SCENARIOS += [
     Scenario(
         name="deadline-order",
+        dialects=BOTH,
         summary="tasks with mixed business deadlines: start order follows the earliest deadline within quotas",
         tasks=24,
         workload=[Submit(share=0.25, priority="batch", deadline_s=d) for d in (7200, 900, 3600, 1800)],
@@ -372,6 +376,7 @@ SCENARIOS += [
     ),
     Scenario(
         name="zombie-worker",
+        dialects=BOTH,
         summary="a step blocks forever: it is fenced and its worker process is killed within execution timeout + "
                 "grace, its slot reused, a log line written",
         tasks=6,
