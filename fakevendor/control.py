@@ -71,6 +71,13 @@ class VendorControl:
     def journal(self, *, after_seq: int = 0, limit: int = 100000) -> list[dict[str, Any]]:
         return self._call("GET", "/__admin/journal", params={"after_seq": after_seq, "limit": limit})["data"]
 
+    def scenarios(self) -> dict[str, str]:
+        """Each scenario the rules name, and the state it is in."""
+        return self._call("GET", "/__admin/scenarios")["data"]
+
+    def reset_scenarios(self) -> dict[str, str]:
+        return self._call("POST", "/__admin/scenarios/reset")["data"]
+
     def in_flight(self) -> list[dict[str, Any]]:
         """The vendor requests being answered right now, oldest first."""
         return self._call("GET", "/__admin/in-flight")["data"]

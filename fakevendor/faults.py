@@ -237,6 +237,11 @@ class Rule:
     sequence: list[str] | None = None
     priority: int = 0
     stack: bool = False  # a latency that applies before whichever other wire fault fires (a chain)
+    # WireMock's scenarios: the rule matches only while its scenario is in `when_state`, and
+    # moves it to `set_state` when it fires (a type "ok" rule only moves it).
+    scenario: str | None = None
+    when_state: str = "Started"
+    set_state: str | None = None
     order: int = 0
     # Runtime counters (not part of the definition).
     matched: int = 0
@@ -251,9 +256,9 @@ class Rule:
         return [s for s in self.endpoint.split(" ", 1)[1].split("/") if s]
 
     def families(self) -> set[str]:
-        kinds = [self.type] if self.type else []
+        kinds = [self.type] if self.type and self.type != "ok" else []
         kinds += [k for k in (self.sequence or []) if k != "ok"]
-        return {FAMILY[k] for k in kinds}
+        return {FAMILY[k] for k in kinds} or {"wire"}  # a pass-through scenario step acts on the wire
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -268,6 +273,9 @@ class Rule:
             "sequence": self.sequence,
             "priority": self.priority,
             "stack": self.stack,
+            "scenario": self.scenario,
+            "when_state": self.when_state,
+            "set_state": self.set_state,
             "matched": self.matched,
             "applied": self.applied,
         }
@@ -278,7 +286,7 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
     if not isinstance(data, dict):
         raise RuleError("rule", "must be a JSON object")
     known = {"id", "endpoint", "match", "type", "params", "probability", "toxicity", "after", "times", "sequence",
-             "priority", "stack"}
+             "priority", "stack", "scenario", "when_state", "set_state"}
     for key in data:
         if key not in known:
             raise RuleError(key, "is not a rule field")
@@ -306,8 +314,9 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
                 raise RuleError(f"sequence[{index}]", f"unknown fault type {item!r}")
     elif kind is None:
         raise RuleError("type", "is required (or give a sequence)")
-    if kind is not None and kind not in TYPES:
-        raise RuleError("type", f"unknown fault type {kind!r}; known: {', '.join(TYPES)}")
+    if kind is not None and kind not in TYPES and not (kind == "ok" and data.get("scenario")):
+        raise RuleError("type", f"unknown fault type {kind!r}; known: {', '.join(TYPES)}"
+                        + (" (\"ok\" only in a scenario)" if kind == "ok" else ""))
     params = data.get("params") or {}
     for item in {kind, *(sequence or [])} - {None, "ok"}:
         validate_params(item, params)
@@ -338,6 +347,13 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
     priority = data.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise RuleError("priority", "must be an integer")
+    scenario = data.get("scenario")
+    for name in ("scenario", "when_state", "set_state"):
+        value = data.get(name)
+        if value is not None and (not isinstance(value, str) or not value or len(value) > 64):
+            raise RuleError(name, "must be a non-empty string of at most 64 characters")
+        if value is not None and name != "scenario" and not scenario:
+            raise RuleError(name, "needs a scenario")
     stack = data.get("stack", False)
     if not isinstance(stack, bool):
         raise RuleError("stack", "must be true or false")
@@ -346,6 +362,7 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
     rule = Rule(
         id=rule_id, endpoint=endpoint, type=kind, params=params, match=match,
         probability=float(probability), after=after, times=times, sequence=sequence, priority=priority, stack=stack,
+        scenario=scenario, when_state=data.get("when_state") or "Started", set_state=data.get("set_state"),
     )
     if len(rule.families()) > 1:
         raise RuleError("sequence", "all fault types of one rule must belong to the same family")
@@ -386,13 +403,24 @@ class FaultEngine:
         self._rngs: dict[str, random.Random] = {}
         self._lock = threading.RLock()
         self._counter = 0
+        self.states: dict[str, str] = {}  # scenario → its current state ("Started" until moved)
 
     def set_seed(self, seed: int) -> None:
         with self._lock:
             self.seed = seed
             self._rngs.clear()
+            self.states.clear()
             for rule in self.rules:
                 rule.matched = rule.applied = 0
+
+    def scenarios(self) -> dict[str, str]:
+        """Every scenario the rules name, with its current state."""
+        with self._lock:
+            return {r.scenario: self.states.get(r.scenario, "Started") for r in self.rules if r.scenario}
+
+    def reset_scenarios(self) -> None:
+        with self._lock:
+            self.states.clear()
 
     def add(self, data: Any) -> Rule:
         with self._lock:
@@ -415,6 +443,7 @@ class FaultEngine:
         with self._lock:
             self.rules = []
             self._rngs.clear()
+            self.states.clear()
 
     def _rng(self, rule_id: str) -> random.Random:
         if rule_id not in self._rngs:
@@ -439,7 +468,8 @@ class FaultEngine:
         return chain, self._decide(facts, "wire", stacked=False)
 
     def _candidates(self, facts: RequestFacts, family: str, *, stacked: bool) -> list[Rule]:
-        return sorted((r for r in self.rules if family in r.families() and r.stack == stacked and _matches(r, facts)),
+        return sorted((r for r in self.rules if family in r.families() and r.stack == stacked and _matches(r, facts)
+                       and (r.scenario is None or self.states.get(r.scenario, "Started") == r.when_state)),
                       key=lambda r: (-r.priority, r.order))
 
     def _fire(self, rule: Rule) -> Decision | None:
@@ -464,6 +494,9 @@ class FaultEngine:
         else:
             kind = rule.type
         rule.applied += 1
+        if rule.scenario and rule.set_state:
+            self.states[rule.scenario] = rule.set_state
+        # (A scenario step of type "ok" lets the request through: to the server, not applied.)
         return Decision(rule_id=rule.id, type=kind, params=rule.params, draw=draw, rng=rng)
 
     def _decide(self, facts: RequestFacts, family: str, *, stacked: bool) -> Decision | None:

@@ -1149,6 +1149,11 @@ class FakeVendor:
             return self._journal(request)
         if route == ["in-flight"] and method == "GET":
             return 200, [("Content-Type", "application/json")], _json({"data": self.requests_in_flight()})
+        if route == ["scenarios"] and method == "GET":
+            return 200, [("Content-Type", "application/json")], _json({"data": self.faults.scenarios()})
+        if route == ["scenarios", "reset"] and method == "POST":
+            self.faults.reset_scenarios()
+            return 200, [("Content-Type", "application/json")], _json({"data": self.faults.scenarios()})
         if route == ["invariants"] and method == "GET":
             return 200, [("Content-Type", "application/json")], _json(self.invariants())
         if route == ["channels"] and method == "GET":

@@ -594,3 +594,49 @@ def test_stacking_and_toxicity_are_checked(fake, rule, field):
     with pytest.raises(ControlError) as info:
         fake.add_rule(rule)
     assert info.value.status == 400 and info.value.field == field
+
+
+# --- scenario states (WireMock's scenarios) -----------------------------------------------------------
+SUCCEED_HANG_RECOVER = [
+    {"id": "first", "endpoint": "POST /v1/jobs", "scenario": "flaky", "type": "ok", "set_state": "hanging"},
+    {"id": "hang", "endpoint": "POST /v1/jobs", "scenario": "flaky", "when_state": "hanging", "type": "stall",
+     "params": {"ms": None}, "set_state": "recovered"},
+    {"id": "recovered", "endpoint": "POST /v1/jobs", "scenario": "flaky", "when_state": "recovered", "type": "ok"},
+]
+
+
+def test_three_rules_in_one_scenario_succeed_then_hang_then_recover_the_same_way_twice(fake, http):
+    def run() -> list[str]:
+        fake.reset()
+        fake.set_seed(3)
+        for rule in SUCCEED_HANG_RECOVER:
+            fake.add_rule(rule)
+        up = upload(http).json()
+        seen = []
+        for index in range(4):
+            try:
+                answer = create(http, up["upload_id"], key=f"k-{index}", client_ref=f"ref-{index}",
+                                timeout=httpx.Timeout(5, read=0.5))
+                seen.append(str(answer.status_code))
+            except httpx.ReadTimeout:
+                seen.append("hang")
+            seen.append(fake.scenarios()["flaky"])
+        return seen
+
+    first = run()
+    assert first == ["201", "hanging", "hang", "recovered", "201", "recovered", "201", "recovered"]
+    assert run() == first
+    assert len(ledger(http)) == 3, "the hung create was never processed"
+
+
+def test_scenario_states_are_listed_reset_and_checked(fake):
+    for rule in SUCCEED_HANG_RECOVER:
+        fake.add_rule(rule)
+    assert fake.scenarios() == {"flaky": "Started"}
+    for bad, field in (({"endpoint": "GET /v1/jobs", "type": "ok"}, "type"),
+                       ({"endpoint": "GET /v1/jobs", "type": "close", "when_state": "x"}, "when_state"),
+                       ({"endpoint": "GET /v1/jobs", "type": "close", "scenario": ""}, "scenario")):
+        with pytest.raises(ControlError) as info:
+            fake.add_rule(bad)
+        assert info.value.field == field
+    assert fake.reset_scenarios() == {"flaky": "Started"}
