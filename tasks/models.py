@@ -205,6 +205,7 @@ class VendorChannel(models.Model):
     api_key = SecretField()
     webhook_secret = SecretField(blank=True)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.TWO_STEP)
+    http2 = models.BooleanField(default=False, help_text="Speak HTTP/2 to this vendor (prior knowledge on http://, negotiated on https://).")
     kinds = models.JSONField(default=list, help_text='Kinds served, e.g. ["transcription", "conversion"].')
     preference = models.PositiveIntegerField(default=100, help_text="Lower goes first; higher ones are fallbacks.")
     enabled = models.BooleanField(default=True)

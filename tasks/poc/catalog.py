@@ -342,6 +342,22 @@ SCENARIOS += [
 ]
 
 
+# --- HTTP/2 (issue 19) ----------------------------------------------------------------------------------
+SCENARIOS += [
+    Scenario(
+        name="goaway-mid-poll",
+        summary="the vendor sends graceful GOAWAYs while Sluice polls it over HTTP/2: refused streams are sent "
+                "again, a create cut off after it may have been processed is reconciled; 0 lost, 0 duplicates",
+        tasks=24,
+        workload=[Submit(share=1.0)],
+        faults=[{"endpoint": "GET /v1/jobs/*", "type": "goaway", "probability": 0.3},
+                {"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": "goaway"}, "probability": 0.2}],
+        channels={"primary": {"http2": True}, "fallback": {"enabled": False}},
+        checks=[C.all_succeeded, C.one_billed_job_per_task, C.goaways_over_http2],
+    ),
+]
+
+
 # --- vendors that cannot be searched (issue 14) ---------------------------------------------------------
 SCENARIOS += [
     Scenario(

@@ -677,3 +677,14 @@ def normal_documents_not_starved(ev: Evidence, *, normal: str, heavy: str) -> Re
     late = [s for s in normal_starts if s is None or (heavy_ends and s > max(heavy_ends))]
     return Result("normal_documents_not_starved", bool(heavy_ends) and bool(normal_starts) and not late, len(late),
                   "== 0 normal documents started after the heavy burst ended")
+
+
+def goaways_over_http2(ev: Evidence) -> Result:
+    """Sluice spoke HTTP/2 to the vendor, and the vendor's GOAWAYs reached it (both kinds)."""
+    vendor = [e for e in ev.journal if e["endpoint"].split(" ", 1)[-1].startswith(("/v1", "/v2"))]
+    protocols = sorted({e.get("protocol") or "?" for e in vendor})
+    refused = sum(1 for e in vendor if e["outcome"] == "goaway")
+    cut_off = sum(1 for e in vendor if e["outcome"] == "response_lost:goaway")
+    observed = {"protocols": protocols, "goaway_refused": refused, "goaway_after_processing": cut_off}
+    return Result("goaways_over_http2", protocols == ["HTTP/2"] and refused > 0 and cut_off > 0, observed,
+                  "every request over HTTP/2, both kinds of GOAWAY seen")

@@ -46,19 +46,26 @@ MUTATIONS = frozenset({"create_job", "cancel_job"})
 _OK = Row(Outcome.OK, False, "ok")
 # Real seconds a call is given even when its attempt is (nearly) out of time.
 MIN_CALL_S = 0.5
-_clients: dict[tuple[int, str], httpx.Client] = {}
+_clients: dict[tuple[int, str, bool], httpx.Client] = {}
 
 ErrorDetails = Callable[[httpx.Response], "tuple[str | None, str]"]
 
 
-def _http_client(base_url: str) -> httpx.Client:
-    # One pooled client per process and vendor; django-q2 forks workers, so key by pid.
-    key = (os.getpid(), base_url)
+def _http_client(base_url: str, *, http2: bool = False) -> httpx.Client:
+    # One pooled client per process, vendor and protocol; django-q2 forks workers, so key by pid.
+    key = (os.getpid(), base_url, http2)
     client = _clients.get(key)
     if client is None:
+        # HTTP/2: over TLS it is negotiated (ALPN, HTTP/1.1 as the fallback); in clear text it is
+        # spoken from the first byte (prior knowledge), as h2c vendors and proxies expect. Streams a
+        # GOAWAY refuses (above its last-stream-id: provably not processed) are resent by the pool
+        # on a new connection; a stream it cut off after it may have been processed surfaces as a
+        # RemoteProtocolError, which the classification table treats as ambiguous.
+        tls = base_url.startswith("https://")
         transport = httpx.HTTPTransport(
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
             socket_options=[(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)],
+            http1=tls or not http2, http2=http2,
         )
         client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)
         _clients[key] = client
@@ -78,7 +85,7 @@ class VendorHttp:
         self.deadline = deadline
         self.timeouts = TimeoutPolicy.for_channel(channel)
         self.base = channel.base_url.rstrip("/")
-        self.http = _http_client(self.base)
+        self.http = _http_client(self.base, http2=channel.http2)
         self.auth_headers = dict(auth_headers)
         self.error_details = error_details
 
