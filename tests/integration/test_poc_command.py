@@ -26,7 +26,7 @@ def test_list_names_every_contract_scenario():
                      "big-upload-timeout", "reset-mid-upload", "response-lost", "ignore-idempotency",
                      "rate-limit-storm", "vendor-outage-fallback", "poll-storm", "retry-herd", "cancel-race",
                      "no-reconcile-handle", "vendor-amnesia", "result-rate-limited", "garbled-response",
-                     "dual-outage-wait"}
+                     "dual-outage-wait", "goaway-mid-poll", "converter-budget"}
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -35,7 +35,7 @@ def test_list_names_every_contract_scenario():
     (["run", "all", "--time-scale", "11"], "--time-scale must be in (0, 10]"),
     (["run", "response-lost", "--tasks", "-3"], "--tasks must be a positive number"),
     (["run", "response-lost", "--dialect", "smoke-signals"], "unknown dialect 'smoke-signals'"),
-    (["run", "big-upload-timeout", "--dialect", "assemblyai"], "does not apply to the assemblyai dialect"),
+    (["run", "ignore-idempotency", "--dialect", "assemblyai"], "does not apply to the assemblyai dialect"),
 ])
 def test_bad_usage_exits_2_with_the_reason(args, needle):
     done = run(*args)
