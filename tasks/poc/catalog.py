@@ -416,6 +416,8 @@ SCENARIOS += [
         summary="a burst of heavy and normal documents through the local LibreOffice engine: normal ones are not "
                 "starved, no converter budget is exceeded, no temporary file or converter process is left, none lost",
         tasks=12,
+        # LibreOffice's work takes real seconds, not nominal ones: room for a slow, shared machine.
+        budget_s=4000,
         workload=[
             Submit(count=4, kind="conversion", target_format="pdf", priority="batch", content="office_heavy",
                    label="manual.docx"),

@@ -16,8 +16,8 @@ GENERATORS: dict[str, Callable[[bytes], bytes]] = {
     "pdf_heavy": lambda m: files.with_marker(files.pdf(320), m),  # heavy lane by page count
     "docx": lambda m: files.docx(),
     "office_doc": lambda m: documents.docx(f"Sluice memo {m.hex()}", pages=2),  # a real document for the engine
-    # Heavy by page count (the lane) and by work: about 2 s of LibreOffice each, against 0.2 s.
-    "office_heavy": lambda m: documents.docx(f"Sluice manual {m.hex()}", pages=320, lines=20),
+    # Heavy by page count (the lane) and by work: about 1.5 s of LibreOffice each, against 0.1 s.
+    "office_heavy": lambda m: documents.docx(f"Sluice manual {m.hex()}", pages=320, lines=12),
     "text": lambda m: files.with_marker(files.text(4000), m),
     "text_big": lambda m: files.with_marker(files.text(200_000), m),
     "truncated_pdf": lambda m: files.truncated_pdf(),
