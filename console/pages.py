@@ -378,6 +378,9 @@ def build(site) -> list:
         reports = run.report if isinstance(run.report, list) else ([run.report] if run.report else [])
         return render(request, site, "console/poc_detail.html", f"POC run #{run.pk}: {run.scenario}", run=run, reports=reports)
 
+    JOURNAL_FILTERS = ("method", "path", "endpoint", "rule", "status", "outcome", "channel", "client_ref", "job_id",
+                       "since")
+
     def fakevendor(request):
         from fakevendor.control import ControlError, ControlUnreachable, VendorControl
         from fakevendor.faults import FAMILY, PARAMETERS, RuleError
@@ -426,7 +429,15 @@ def build(site) -> list:
                    "fault_forms": [(kind, FAMILY[kind], params) for kind, params in PARAMETERS.items()],
                    "rule_typed": request.session.pop("fault_rule_typed", "")}
         if reachable:
-            context.update(rules=control.rules(), journal=control.journal()[-50:][::-1], invariants=control.invariants())
+            filters = {k: request.GET.get(k, "").strip()[:200] for k in JOURNAL_FILTERS}
+            try:
+                journal = control.journal(limit=50, detail=True, order="desc", **filters)
+                counted = control.journal_count(**filters)
+            except ControlError as exc:
+                messages.error(request, f"Journal filter refused: {exc}" + (f" (field: {exc.field})" if exc.field else ""))
+                journal, counted = [], None
+            context.update(rules=control.rules(), journal=journal, journal_count=counted, journal_filters=filters,
+                           scenarios=control.scenarios(), invariants=control.invariants())
         return render(request, site, "console/fakevendor.html", "Fake vendor", **context)
 
     return [

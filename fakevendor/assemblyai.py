@@ -90,13 +90,13 @@ class AssemblyAIDialect:
                 return self._delete(request)
             if len(route) == 4 and route[3] in ("srt", "vtt") and method == "GET":
                 return self._subtitles(request, route[3])
-        await self.vendor._discard_body(conn, request)
+        await self.vendor.discard_body(conn, request)
         return error(404, "Not found")
 
     # --- uploads -----------------------------------------------------------------------------
     async def _upload(self, conn: Any, request: Any, channel: Any, *, bandwidth: float | None,
                       reset_after: int | None) -> Answer:
-        received = await self.vendor._receive_file(conn, request, channel, bandwidth=bandwidth, reset_after=reset_after)
+        received = await self.vendor.receive_file(conn, request, channel, bandwidth=bandwidth, reset_after=reset_after)
         if isinstance(received[0], int):
             status, _, body = received
             message = json.loads(body).get("detail", "Upload failed") if body else "Upload failed"
@@ -138,15 +138,8 @@ class AssemblyAIDialect:
             if body.get(name) is not None and not isinstance(body[name], str):
                 return error(400, f"{name} must be a string")
         upload = self._upload_of(request.channel, audio_url)
-        create = self.vendor.faults.decide(facts, "create")
-        if create is not None and request.rule_id is None:
-            request.rule_id, request.draw = create.rule_id, create.draw
-        create = create if create is not None and create.applied else None
-        copies = int(create.params.get("copies", 2)) if create and create.type in ("duplicate_create", "duplicate_on_create") else 1
-        job_rule = self.vendor.faults.decide(facts, "job")
-        if job_rule is not None and request.rule_id is None:
-            request.rule_id, request.draw = job_rule.rule_id, job_rule.draw
-        job_rule = job_rule if job_rule is not None and job_rule.applied else None
+        copies = int(self.vendor.create_effect(facts, request).get("copies", 1))
+        job_rule = self.vendor.job_fault(facts, request)
         extra = {
             "dialect": "assemblyai", "audio_url": audio_url, "language_code": body.get("language_code") or "en_us",
             "speech_model": model, "webhook_auth_header_name": body.get("webhook_auth_header_name"),
@@ -163,7 +156,7 @@ class AssemblyAIDialect:
             input_path, size, sha = Path(upload["path"]), upload["size"], upload["sha256"]
         created = []
         for _ in range(copies):
-            job = self.vendor._new_job(request.channel, channel, fields, {}, "", input_path, size, sha, job_rule,
+            job = self.vendor.new_job(request.channel, channel, fields, {}, "", input_path, size, sha, job_rule,
                                        extra=extra, bill=upload is not None, **fields_fail)
             created.append(job)
         request.job_id, request.input_sha256 = created[0]["id"], sha or None

@@ -64,6 +64,11 @@ class ServerConfig:
     channels: dict[str, ChannelConfig] = field(default_factory=dict)
     # Settings given to every channel created on first use.
     channel_defaults: dict[str, Any] = field(default_factory=dict)
+    # Proxy mode: forward every vendor request here (fakevendor/proxy.py); record: append the
+    # exchanges to this file; playback: serve a recording instead of any upstream.
+    upstream: str = ""
+    record: str = ""
+    playback: str = ""
 
     def channel(self, name: str) -> ChannelConfig:
         if name not in self.channels:

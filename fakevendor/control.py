@@ -68,8 +68,22 @@ class VendorControl:
     def reset(self, *, faults: bool = True, state: bool = True, journal: bool = True) -> None:
         self._call("POST", "/__admin/reset", json={"faults": faults, "state": state, "journal": journal})
 
-    def journal(self, *, after_seq: int = 0, limit: int = 100000) -> list[dict[str, Any]]:
-        return self._call("GET", "/__admin/journal", params={"after_seq": after_seq, "limit": limit})["data"]
+    def journal(self, *, after_seq: int = 0, limit: int = 100000, detail: bool = False,
+                **filters: Any) -> list[dict[str, Any]]:
+        """Journal entries matching `filters` (method, path glob, endpoint, rule, status such as 503
+        or "5xx", outcome, channel, client_ref, job_id, since, until, order="desc")."""
+        params = {"after_seq": after_seq, "limit": limit, **({"detail": "1"} if detail else {}),
+                  **{k: v for k, v in filters.items() if v not in (None, "")}}
+        return self._call("GET", "/__admin/journal", params=params)["data"]
+
+    def journal_count(self, **filters: Any) -> dict[str, Any]:
+        """How many entries match, and how they split by status, outcome, endpoint and rule."""
+        return self._call("GET", "/__admin/journal/count",
+                          params={k: v for k, v in filters.items() if v not in (None, "")})
+
+    def journal_entry(self, seq: int) -> dict[str, Any]:
+        """One entry in full: the request's and the answer's headers and bodies (redacted)."""
+        return self._call("GET", f"/__admin/journal/{int(seq)}")
 
     def scenarios(self) -> dict[str, str]:
         """Each scenario the rules name, and the state it is in."""

@@ -46,6 +46,7 @@ _END = object()
 class H2Stream:
     """One request/response exchange on an HTTP/2 connection."""
 
+    protocol = "HTTP/2"
     stream_id: int
 
     def __init__(self, session: H2Session, stream_id: int) -> None:
@@ -85,6 +86,9 @@ class H2Stream:
                 await asyncio.sleep(len(chunk) / bytes_per_s)
             if reset_after is not None and total + len(chunk) >= reset_after:
                 request.bytes_in = reset_after
+                if getattr(request, "body_cut", "reset") == "close":
+                    self.close()  # a FIN, not a reset (limit_data upstream)
+                    raise Aborted("closed mid-body")
                 self.reset()
                 raise Aborted("reset mid-body")
             total += len(chunk)
@@ -139,6 +143,20 @@ class H2Stream:
                     await asyncio.sleep(total_s / chunks)
             return
         await self.session.send_data(self.stream_id, body, end_stream=True)
+
+    async def respond_truncated(self, status: int, headers: list[tuple[str, str]], body: bytes | Path, *,
+                                limit: int) -> None:
+        """The answer's headers and the first `limit` bytes of its body, then the connection closes
+        (Toxiproxy's limit_data; HPACK-compressed headers are not counted)."""
+        payload = body.read_bytes() if isinstance(body, Path) else body
+        self.answered = True
+        await self.session.send_headers(self.stream_id, [
+            (":status", str(status)), *[(k.lower(), v) for k, v in headers if k.lower() != "connection"],
+            ("content-length", str(len(payload))), ("date", formatdate(usegmt=True))], end_stream=False)
+        if limit > 0 and payload:
+            await self.session.send_data(self.stream_id, payload[:limit], end_stream=False)
+        await self.session.flush()
+        self.session.close()
 
     def reset(self) -> None:
         self.session.abort()

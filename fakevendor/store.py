@@ -41,8 +41,9 @@ CREATE TABLE IF NOT EXISTS journal (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, method TEXT, path TEXT, channel TEXT,
     endpoint TEXT, rule_id TEXT, draw REAL, bytes_in INTEGER, status INTEGER, outcome TEXT,
     client_ref TEXT, idempotency_key TEXT, job_id TEXT, retry_after TEXT, duration_ms INTEGER,
-    protocol TEXT, input_sha256 TEXT
+    protocol TEXT, input_sha256 TEXT, request TEXT, response TEXT
 );
+CREATE INDEX IF NOT EXISTS journal_at ON journal (at);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
 
@@ -69,8 +70,9 @@ class Store:
         columns = {row["name"] for row in self.db.execute("PRAGMA table_info(journal)")}
         if "protocol" not in columns:  # a data dir from before HTTP/2
             self.db.execute("ALTER TABLE journal ADD COLUMN protocol TEXT")
-        if "input_sha256" not in columns:
-            self.db.execute("ALTER TABLE journal ADD COLUMN input_sha256 TEXT")
+        for column in ("input_sha256", "request", "response"):
+            if column not in columns:  # a data dir from before the column
+                self.db.execute(f"ALTER TABLE journal ADD COLUMN {column} TEXT")
         job_columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
         if "input_digest_mismatch" not in job_columns:
             self.db.execute("ALTER TABLE jobs ADD COLUMN input_digest_mismatch INTEGER DEFAULT 0")
@@ -164,9 +166,10 @@ class Store:
     def journal(self, entry: dict[str, Any]) -> None:
         self.execute(
             "INSERT INTO journal (at, method, path, channel, endpoint, rule_id, draw, bytes_in, status,"
-            " outcome, client_ref, idempotency_key, job_id, retry_after, duration_ms, protocol, input_sha256)"
-            " VALUES (:at, :method, :path, :channel, :endpoint, :rule_id, :draw, :bytes_in, :status,"
-            " :outcome, :client_ref, :idempotency_key, :job_id, :retry_after, :duration_ms, :protocol, :input_sha256)",
+            " outcome, client_ref, idempotency_key, job_id, retry_after, duration_ms, protocol, input_sha256, request,"
+            " response) VALUES (:at, :method, :path, :channel, :endpoint, :rule_id, :draw, :bytes_in, :status,"
+            " :outcome, :client_ref, :idempotency_key, :job_id, :retry_after, :duration_ms, :protocol, :input_sha256,"
+            " :request, :response)",
             entry,
         )
 

@@ -85,7 +85,9 @@ class Stack:
 
     # --- parts ------------------------------------------------------------------------------
     def start_vendor(self, name: str = "vendor", *, time_scale: float | None = None, seed: int = 0,
-                     channels: dict | None = None, processing_ms: float | None = None, timeout: float = 30) -> str:
+                     channels: dict | None = None, processing_ms: float | None = None, timeout: float = 30,
+                     extra_args: tuple[str, ...] = ()) -> str:
+        """A fake vendor; `extra_args` go to its command (e.g. proxy mode's `--upstream URL`)."""
         ready = self.log_dir / f"{name}.port"
         ready.unlink(missing_ok=True)
         args = ["fakevendor", "--port", "0", "--seed", str(seed), "--ready-file", str(ready),
@@ -98,7 +100,7 @@ class Stack:
             spec = self.log_dir / f"{name}-channels.json"
             spec.write_text(json.dumps(channels))
             args += ["--channels", str(spec)]
-        self.manage(name, *args)
+        self.manage(name, *args, *extra_args)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready.exists() and ready.read_text().strip():

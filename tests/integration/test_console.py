@@ -143,6 +143,14 @@ def test_qa_sets_a_fault_rule_from_the_console_and_sees_its_effect_in_the_journa
     httpx.get(f"{vendor.url}/primary/v1/usage", headers={"Authorization": "Bearer dev-vendor-key"})
     page = client.get(reverse("admin:fakevendor")).content.decode()
     assert "console-rule" in page and "502" in page
+    # The journal, found by rule and counted, with each exchange's headers and bodies (redacted).
+    httpx.get(f"{vendor.url}/primary/v1/jobs/job_x", headers={"Authorization": "Bearer dev-vendor-key"})
+    found = client.get(reverse("admin:fakevendor") + "?rule=console-rule").content.decode()
+    assert 'id="journal-count"><strong>1</strong>' in found and "<code>502</code> 1" in found
+    assert "authorization: [redacted]" in found and "dev-vendor-key" not in found
+    assert "GET /primary/v1/usage" in found and "/v1/jobs/job_x" not in found
+    bad = client.get(reverse("admin:fakevendor") + "?status=teapot").content.decode()
+    assert "Journal filter refused" in bad and "field: status" in bad
     refused = client.post(reverse("admin:fakevendor"), {"op": "add", "rule": '{"endpoint": "GET /v1/usage", "type": "nope"}'},
                           follow=True).content.decode()
     assert "field: type" in refused

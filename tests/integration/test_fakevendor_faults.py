@@ -532,6 +532,15 @@ def test_limit_data_cuts_a_processed_answer_after_n_bytes(fake, http):
     assert len(received) == 50 and received.startswith(b"HTTP/1.1 200")
 
 
+def test_limit_data_upstream_closes_after_n_bytes_of_the_request_and_nothing_is_processed(fake, http):
+    fake.add_rule({"endpoint": "POST /v1/uploads", "type": "limit_data", "params": {"bytes": 200_000, "direction": "upstream"}})
+    with pytest.raises((httpx.WriteError, httpx.ReadError, httpx.RemoteProtocolError)):
+        upload(http, os.urandom(8 * 1024 * 1024))
+    entry = [e for e in fake.journal() if e["endpoint"] == "POST /v1/uploads"][-1]
+    assert entry["bytes_in"] == 200_000 and entry["outcome"] == "closed mid-body" and entry["status"] is None
+    assert upload(http, b"short" * 10).status_code == 201, "a body under the limit goes through"
+
+
 def test_slow_close_sends_the_whole_answer_then_keeps_the_connection_open_before_closing(fake, http):
     fake.add_rule({"endpoint": "GET /v1/usage", "type": "slow_close", "params": {"ms": 6000}})
     raw = socket.create_connection(("127.0.0.1", int(http.base_url.port)), timeout=10)

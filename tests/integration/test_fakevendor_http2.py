@@ -199,3 +199,20 @@ def test_a_body_shorter_than_its_content_length_is_a_protocol_error(fake, vendor
     with httpx.Client(base_url=vendor_server, headers={"Authorization": f"Bearer {KEY}"}) as h1:
         assert h1.get("/v1/jobs", params={"client_ref": "x"}).status_code == 200
 
+
+
+def test_limit_data_over_http2_sends_the_headers_and_n_body_bytes_then_closes(fake, h2):
+    up = upload(h2, os.urandom(2000)).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "limit_data", "params": {"bytes": 40}})
+    received = bytearray()
+    with pytest.raises(httpx.RemoteProtocolError):
+        body = {"upload_id": up["upload_id"], "kind": "transcription", "target_format": "txt", "client_ref": "h2-cut",
+                "options": {}}
+        with h2.stream("POST", "/v1/jobs", json=body, headers={"Idempotency-Key": "h2-cut"}) as answer:
+            assert answer.status_code == 201 and int(answer.headers["content-length"]) > 40
+            for chunk in answer.iter_raw():
+                received += chunk
+    assert len(received) == 40, "exactly the allowed body bytes arrived"
+    assert len(ledger(h2, "h2-cut")) == 1, "processed and billed; only the answer was cut"
+    cut = fake.journal(endpoint="POST /v1/jobs")[-1]
+    assert cut["outcome"] == "limit_data" and cut["protocol"] == "HTTP/2"

@@ -1,4 +1,7 @@
-"""`python manage.py fakevendor --port 9100 [--seed N] [--faults FILE.json]`: serve the fake vendor."""
+"""`python manage.py fakevendor --port 9100 [--seed N] [--faults FILE.json]`: serve the fake vendor.
+
+`--upstream URL` puts its fault rules in front of a real vendor instead (proxy mode), `--record
+FILE` keeps the exchanges, `--playback FILE` serves them again without any upstream."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from fakevendor.config import ChannelConfig, ServerConfig
 from fakevendor.faults import RuleError, parse_rule
+from fakevendor.proxy import ProxyConfigError, check_upstream
 from fakevendor.server import run
 
 DEV_ADMIN_TOKEN = "dev-admin-token"
@@ -38,6 +42,9 @@ class Command(BaseCommand):
         parser.add_argument("--time-scale", type=float, default=None, help="Multiplies every interval (default: SLUICE_TIME_SCALE).")
         parser.add_argument("--data-dir", default=None, help="Where its own database and files live.")
         parser.add_argument("--ready-file", default=None, help="Write the bound port here once listening.")
+        parser.add_argument("--upstream", default="", help="Proxy mode: forward every vendor request to this URL.")
+        parser.add_argument("--record", default="", help="With --upstream: append every exchange to this file.")
+        parser.add_argument("--playback", default="", help="Serve the exchanges a --record file holds (no upstream).")
 
     def handle(self, *args, **options):
         seed, rules = 0, []
@@ -76,6 +83,18 @@ class Command(BaseCommand):
                 f"Refusing to listen on {options['host']} with the published development admin token: anyone "
                 "who can reach it could rewrite its faults. Set FAKEVENDOR_ADMIN_TOKEN, or bind 127.0.0.1."
             )
+        upstream = options["upstream"]
+        if upstream:
+            try:
+                upstream = check_upstream(upstream)
+            except ProxyConfigError as exc:
+                raise CommandError(str(exc)) from None
+        if options["record"] and not upstream:
+            raise CommandError("--record needs --upstream (the vendor whose answers it records)")
+        if options["playback"] and upstream:
+            raise CommandError("--playback serves a recording instead of an upstream: give one or the other")
+        if options["playback"] and not Path(options["playback"]).is_file():
+            raise CommandError(f"--playback: no recording at {options['playback']}")
         data_dir = options["data_dir"] or str(settings.DATA_DIR / f"fakevendor-{options['port']}")
         config = ServerConfig(
             host=options["host"],
@@ -86,6 +105,9 @@ class Command(BaseCommand):
             time_scale=time_scale,
             data_dir=data_dir,
             channels=channels,
+            upstream=upstream,
+            record=options["record"],
+            playback=options["playback"],
         )
         if options["processing_ms"] is not None:
             config.channel_defaults["processing_ms"] = options["processing_ms"]

@@ -5,13 +5,10 @@ criteria; `after` skips the first N matches, `times` caps how many get the fault
 draws from the rule's own generator (derived from the global seed and the rule id), and an
 explicit `sequence` of fault types (or "ok") replaces `type` for successive matches.
 
-Types fall in three families; a request gets at most one rule of each family:
-- wire: what happens on the socket (delay, stall, dribble, bandwidth, http_error, rate_limit,
-  reset, close, garbage, goaway, response_lost, redirect, malformed, slicer, and Toxiproxy's
-  timeout, reset_peer, limit_data and slow_close);
-- create: how a job create behaves (ignore_idempotency, duplicate_create, duplicate_on_create);
-- job: what the created job does later (job_fail, stuck, digest_mismatch, input_digest_mismatch,
-  transient_404).
+Each fault type is a module of its own (fakevendor/faults/kinds/, listed in registry.py) that
+declares its parameters, where it acts and its behaviour. Types fall in three families; a
+request gets at most one rule of each family (stacked latencies aside): wire (what happens on the
+socket), create (how a job create behaves), job (what the created job does later).
 """
 
 from __future__ import annotations
@@ -22,206 +19,38 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-WIRE = ("delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "goaway",
-        "response_lost", "redirect", "malformed", "slicer", "timeout", "reset_peer", "limit_data", "slow_close")
-CREATE = ("ignore_idempotency", "duplicate_create", "duplicate_on_create")
-JOB = ("job_fail", "stuck", "digest_mismatch", "input_digest_mismatch", "transient_404")
-MALFORMED_BODIES = ("not_json", "truncated_json", "missing_fields", "wrong_types", "empty")
-REDIRECT_STATUSES = (301, 302, 303, 307, 308)
-TYPES = WIRE + CREATE + JOB
+from fakevendor.faults.base import Fault, Param, RuleError, coerce_param
+from fakevendor.faults.registry import FAULTS
+
+TYPES = tuple(FAULTS)
+WIRE = tuple(n for n, f in FAULTS.items() if f.family == "wire")
+CREATE = tuple(n for n, f in FAULTS.items() if f.family == "create")
+JOB = tuple(n for n, f in FAULTS.items() if f.family == "job")
+FAMILY = {n: f.family for n, f in FAULTS.items()}
 # Wire types a rule may stack (`"stack": true`): they delay a request and let it go on, so they
 # chain with whichever other wire fault then fires, in priority order (Toxiproxy's toxic chain).
-STACKABLE = ("delay", "stall")
-FAMILY = {**{t: "wire" for t in WIRE}, **{t: "create" for t in CREATE}, **{t: "job" for t in JOB}}
+STACKABLE = tuple(n for n, f in FAULTS.items() if f.stackable)
+# The parameters of each fault type, declared once in its module: the console's fault forms are
+# generated from these, and rules are validated against them.
+PARAMETERS: dict[str, tuple[Param, ...]] = {n: f.params for n, f in FAULTS.items()}
 METHODS = ("GET", "POST", "PUT", "DELETE", "*")
 
-
-@dataclass(frozen=True)
-class Param:
-    """One parameter of a fault type, as a form asks for it."""
-
-    name: str
-    kind: str = "number"  # number | integer | choice | text | bool
-    required: bool = False
-    example: Any = None  # a valid value (forms prefill it; a test proves every example is accepted)
-    choices: tuple = ()
-    help: str = ""
+__all__ = ["CREATE", "FAMILY", "FAULTS", "JOB", "METHODS", "PARAMETERS", "STACKABLE", "TYPES", "WIRE", "Decision",
+           "Fault", "FaultEngine", "Param", "RequestFacts", "Rule", "RuleError", "coerce_param", "parse_rule",
+           "validate_params"]
 
 
-# The parameters of each fault type, declared once: the console's fault forms are generated from
-# these; validate_params below checks the same rules.
-PARAMETERS: dict[str, tuple[Param, ...]] = {
-    "delay": (Param("ms", required=True, example=2000, help="fixed delay before answering"),),
-    "stall": (Param("ms", example=30000, help="hold the request, then close without answering"),),
-    "dribble": (Param("chunks", "integer", True, 5, help="the answer in this many pieces"),
-                Param("total_ms", required=True, example=3000, help="spread over this long")),
-    "bandwidth": (Param("bytes_per_s", required=True, example=100000),
-                  Param("direction", "choice", example="both", choices=("both", "upstream", "downstream"),
-                        help="upstream: the request body; downstream: the answer")),
-    "http_error": (Param("status", "integer", True, 503, help="400-599"), Param("code", "text", help="error code in the body")),
-    "rate_limit": (Param("status", "choice", example=429, choices=(429, 503)),
-                   Param("retry_after_s", example=5, help="Retry-After seconds"),
-                   Param("retry_after_date", "bool", help="send Retry-After as an HTTP date")),
-    "reset": (Param("stage", "choice", example="before_body", choices=("before_body", "mid_body")),
-              Param("after_bytes", "integer", help="for mid_body: reset after this many bytes")),
-    "close": (),
-    "garbage": (Param("bytes", "integer", example=64, help="random bytes instead of HTTP"),),
-    "goaway": (Param("last_stream_id", "integer"), Param("error_code", "integer")),
-    "response_lost": (Param("mode", "choice", example="reset", choices=("reset", "close", "stall", "goaway"),
-                            help="how the answer is lost after the work was done (and billed)"),),
-    "redirect": (Param("status", "choice", example=302, choices=REDIRECT_STATUSES), Param("location", "text")),
-    "malformed": (Param("body", "choice", example="not_json", choices=MALFORMED_BODIES),
-                  Param("status", "integer", help="200-299: a success with a broken body")),
-    "slicer": (Param("average_size", "integer", example=16), Param("size_variation", "integer", example=4),
-               Param("delay_ms", example=50)),
-    "timeout": (Param("ms", example=5000, help="pass no data, then close (empty: hold until the client gives up)"),),
-    "reset_peer": (Param("ms", required=True, example=1000, help="wait this long, then reset the connection (TCP RST)"),),
-    "limit_data": (Param("bytes", "integer", True, 200, help="the answer is cut off after this many bytes (the request was processed)"),),
-    "slow_close": (Param("ms", required=True, example=3000, help="after the answer, keep the connection open this long, then close"),),
-    "ignore_idempotency": (),
-    "duplicate_create": (Param("copies", "integer", True, 2, help="jobs created (and billed) per request"),),
-    "duplicate_on_create": (Param("copies", "integer", example=2),),
-    "job_fail": (Param("code", "text", example="transcription_error"), Param("retryable", "bool")),
-    "stuck": (Param("ms", required=True, example=600000, help="the job stays processing this long"),),
-    "digest_mismatch": (),
-    "input_digest_mismatch": (),
-    "transient_404": (Param("ms", required=True, example=3000, help="the new job answers 404 this long"),),
-}
-
-
-def coerce_param(param: Param, raw: str) -> Any:
-    """A form field's text as the parameter's type (None: left empty)."""
-    raw = (raw or "").strip()
-    if param.kind == "bool":
-        return raw in ("on", "yes", "true", "1") or None
-    if raw == "":
-        return None
-    if param.kind == "integer" or (param.kind == "choice" and all(isinstance(c, int) for c in param.choices)):
-        try:
-            return int(raw)
-        except ValueError:
-            raise RuleError(f"params.{param.name}", "must be an integer") from None
-    if param.kind == "number":
-        try:
-            value = float(raw)
-        except ValueError:
-            raise RuleError(f"params.{param.name}", "must be a number") from None
-        return int(value) if value.is_integer() else value
-    return raw
-
-
-class RuleError(ValueError):
-    """A malformed rule; `field` names the offending field."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-def _number(params: dict, key: str, *, required: bool = False, minimum: float = 0, integer: bool = False) -> None:
-    if key not in params or params[key] is None:
-        if required:
-            raise RuleError(f"params.{key}", "is required")
-        return
-    value = params[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RuleError(f"params.{key}", "must be a number")
-    if integer and int(value) != value:
-        raise RuleError(f"params.{key}", "must be an integer")
-    if value < minimum:
-        raise RuleError(f"params.{key}", f"must be at least {minimum}")
-
-
-def validate_params(kind: str, params: dict[str, Any]) -> None:
-    """Check the parameters of one fault type (see the contract's list of types and params)."""
+def validate_params(kinds: set[str], params: Any) -> None:
+    """Check a rule's parameters against the schemas of its fault types (one type, or a sequence's)."""
     if not isinstance(params, dict):
         raise RuleError("params", "must be an object")
-    if kind == "delay":
-        if "ms" in params:
-            _number(params, "ms", required=True)
-        elif "lower_ms" in params or "upper_ms" in params:
-            _number(params, "lower_ms", required=True)
-            _number(params, "upper_ms", required=True)
-            if params["upper_ms"] < params["lower_ms"]:
-                raise RuleError("params.upper_ms", "must be at least lower_ms")
-        elif "median_ms" in params:
-            _number(params, "median_ms", required=True)
-            _number(params, "sigma", required=True)
-            _number(params, "max_ms")
-        else:
-            raise RuleError("params", "delay needs ms, lower_ms+upper_ms, or median_ms+sigma")
-    elif kind == "stall":
-        _number(params, "ms")
-    elif kind == "dribble":
-        _number(params, "chunks", required=True, minimum=1, integer=True)
-        _number(params, "total_ms", required=True)
-    elif kind == "bandwidth":
-        _number(params, "bytes_per_s", required=True, minimum=1)
-        if params.get("direction", "both") not in ("both", "upstream", "downstream"):
-            raise RuleError("params.direction", "must be both, upstream or downstream")
-    elif kind == "http_error":
-        _number(params, "status", required=True, minimum=400, integer=True)
-        if params["status"] > 599:
-            raise RuleError("params.status", "must be 400-599")
-        if "code" in params and not isinstance(params["code"], str):
-            raise RuleError("params.code", "must be a string")
-    elif kind == "rate_limit":
-        status = params.get("status", 429)
-        if status not in (429, 503):
-            raise RuleError("params.status", "must be 429 or 503")
-        _number(params, "retry_after_s")
-        if "retry_after_date" in params and not isinstance(params["retry_after_date"], bool):
-            raise RuleError("params.retry_after_date", "must be true or false")
-    elif kind == "reset":
-        stage = params.get("stage", "before_body")
-        if stage not in ("before_body", "mid_body"):
-            raise RuleError("params.stage", "must be before_body or mid_body")
-        if stage == "mid_body":
-            _number(params, "after_bytes", required=True, integer=True)
-    elif kind == "garbage":
-        _number(params, "bytes", minimum=1, integer=True)
-    elif kind == "timeout":
-        _number(params, "ms")
-    elif kind in ("reset_peer", "slow_close"):
-        _number(params, "ms", required=True)
-    elif kind == "limit_data":
-        _number(params, "bytes", required=True, integer=True)
-    elif kind == "goaway":
-        _number(params, "last_stream_id", integer=True)
-        _number(params, "error_code", integer=True)
-    elif kind == "response_lost":
-        if params.get("mode", "reset") not in ("reset", "close", "stall", "goaway"):
-            raise RuleError("params.mode", "must be reset, close, stall or goaway")
-        _number(params, "error_code", integer=True)
-    elif kind == "duplicate_create":
-        _number(params, "copies", required=True, minimum=2, integer=True)
-    elif kind == "duplicate_on_create":
-        _number(params, "copies", minimum=2, integer=True)
-    elif kind == "redirect":
-        status = params.get("status", 302)
-        if status not in REDIRECT_STATUSES:
-            raise RuleError("params.status", f"must be one of {', '.join(map(str, REDIRECT_STATUSES))}")
-        if "location" in params and not isinstance(params["location"], str):
-            raise RuleError("params.location", "must be a string")
-    elif kind == "slicer":
-        _number(params, "average_size", minimum=1, integer=True)
-        _number(params, "size_variation", minimum=0, integer=True)
-        _number(params, "delay_ms")
-    elif kind == "malformed":
-        if params.get("body", "not_json") not in MALFORMED_BODIES:
-            raise RuleError("params.body", f"must be one of {', '.join(MALFORMED_BODIES)}")
-        if "status" in params:
-            _number(params, "status", integer=True, minimum=200)
-            if params["status"] > 299:
-                raise RuleError("params.status", "must be 200-299 (a malformed success)")
-    elif kind == "job_fail":
-        if "code" in params and not isinstance(params["code"], str):
-            raise RuleError("params.code", "must be a string")
-        if "retryable" in params and not isinstance(params["retryable"], bool):
-            raise RuleError("params.retryable", "must be true or false")
-    elif kind in ("stuck", "transient_404"):
-        _number(params, "ms", required=True)
+    known = {p.name for kind in kinds for p in FAULTS[kind].params}
+    for key in params:
+        if key not in known:
+            names = ", ".join(sorted(known)) or "none"
+            raise RuleError(f"params.{key}", f"is not a parameter of {'/'.join(sorted(kinds))} (known: {names})")
+    for kind in kinds:
+        FAULTS[kind].validate(params)
 
 
 @dataclass
@@ -318,8 +147,7 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
         raise RuleError("type", f"unknown fault type {kind!r}; known: {', '.join(TYPES)}"
                         + (" (\"ok\" only in a scenario)" if kind == "ok" else ""))
     params = data.get("params") or {}
-    for item in {kind, *(sequence or [])} - {None, "ok"}:
-        validate_params(item, params)
+    validate_params({kind, *(sequence or [])} - {None, "ok"}, params)
     match = data.get("match") or {}
     if not isinstance(match, dict):
         raise RuleError("match", "must be an object")
@@ -336,8 +164,6 @@ def parse_rule(data: Any, *, default_id: str) -> Rule:
     field_name = "toxicity" if "toxicity" in data else "probability"
     if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
         raise RuleError(field_name, "must be a number between 0 and 1")
-    if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
-        raise RuleError("probability", "must be a number between 0 and 1")
     after = data.get("after", 0)
     if isinstance(after, bool) or not isinstance(after, int) or after < 0:
         raise RuleError("after", "must be a non-negative integer")
