@@ -574,6 +574,10 @@ class VendorChannelForm(forms.ModelForm):
             raise forms.ValidationError("An API key is required.")
         return value or (self.instance.api_key if self.instance and self.instance.pk else "")
 
+    def clean_dialect_settings(self):
+        value = self.cleaned_data.get("dialect_settings")
+        return {} if value in (None, "") else value
+
     def clean_webhook_secret(self):
         value = self.cleaned_data.get("webhook_secret")
         return value or (self.instance.webhook_secret if self.instance and self.instance.pk else "")
@@ -630,12 +634,35 @@ class VendorChannelForm(forms.ModelForm):
         except CapabilityError as error:
             self.add_error("capability_overrides", str(error))
             return data
+        if dialect == "aws_transcribe":
+            self._clean_aws_settings(data)
         unsupported = sorted(set(data.get("kinds") or []) - capabilities.kinds)
         if unsupported:
             self.add_error("kinds", f"The {dialect} dialect does not do {', '.join(unsupported)}.")
         if data.get("mode") and data["mode"] not in capabilities.upload_modes:
             self.add_error("mode", f"The {dialect} dialect only takes files {' or '.join(sorted(capabilities.upload_modes))}.")
         return data
+
+
+    def _clean_aws_settings(self, data):
+        from django.conf import settings
+
+        from tasks.outbound import OutboundRefused, outbound_pin
+        from tasks.vendors.aws_transcribe import SettingsError, validate_settings
+
+        values = data.get("dialect_settings") or {}
+        try:
+            validate_settings(values, data.get("api_key") or "")
+        except SettingsError as error:
+            field_name = "api_key" if str(error).startswith("api_key") else "dialect_settings"
+            self.add_error(field_name, str(error))
+            return
+        if values.get("s3_endpoint_url"):
+            try:
+                outbound_pin(values["s3_endpoint_url"], allow_private=settings.VENDOR_ALLOW_PRIVATE,
+                             what="the S3 endpoint")
+            except OutboundRefused as refused:
+                self.add_error("dialect_settings", f"s3_endpoint_url: {refused.detail}")
 
 
 @admin.register(VendorChannel, site=site)

@@ -193,6 +193,7 @@ class VendorChannel(models.Model):
         SLUICE = "sluice", "Sluice vendor API (shared/contracts/vendor-api.md)"
         ASSEMBLYAI = "assemblyai", "AssemblyAI v2"
         LOCAL = "local", "Local conversion engine (LibreOffice + poppler, no HTTP)"
+        AWS_TRANSCRIBE = "aws_transcribe", "AWS Transcribe (media through S3, jobs by unique name)"
 
     name = models.SlugField(max_length=32, primary_key=True)
     dialect = models.CharField(max_length=32, choices=Dialect.choices, default=Dialect.SLUICE)
@@ -206,6 +207,12 @@ class VendorChannel(models.Model):
     webhook_secret = SecretField(blank=True)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.TWO_STEP)
     http2 = models.BooleanField(default=False, help_text="Speak HTTP/2 to this vendor (prior knowledge on http://, negotiated on https://).")
+    dialect_settings = models.JSONField(
+        default=dict, blank=True,
+        help_text='What the dialect needs beyond the base URL, e.g. for aws_transcribe {"region": "eu-west-1", '
+                  '"media_bucket": "my-media", "output_bucket": "my-transcripts", "prefix": "sluice/", '
+                  '"s3_endpoint_url": "", "language_code": "en-US"} (the API key is ACCESS_KEY_ID:SECRET_ACCESS_KEY).',
+    )
     kinds = models.JSONField(default=list, help_text='Kinds served, e.g. ["transcription", "conversion"].')
     preference = models.PositiveIntegerField(default=100, help_text="Lower goes first; higher ones are fallbacks.")
     enabled = models.BooleanField(default=True)

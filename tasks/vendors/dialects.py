@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from tasks.models import VendorChannel
-from tasks.vendors import assemblyai, local, memory, sluice
+from tasks.vendors import assemblyai, aws_transcribe, local, memory, sluice
 from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.protocol import VendorAdapter
 
@@ -17,6 +17,7 @@ DIALECTS: dict[str, tuple[AdapterFactory, Capabilities]] = {
     "sluice": (sluice.SluiceAdapter, sluice.CAPABILITIES),
     "assemblyai": (assemblyai.AssemblyAIAdapter, assemblyai.CAPABILITIES),
     "local": (local.LocalEngineAdapter, local.CAPABILITIES),
+    "aws_transcribe": (aws_transcribe.AWSTranscribeAdapter, aws_transcribe.CAPABILITIES),
     # In-memory, for tests of the steps' decisions (never offered in the console).
     "memory": (memory.MemoryAdapter, memory.CAPABILITIES),
 }

@@ -178,7 +178,7 @@ class VendorHttp:
             permit = breaker.acquire(self.channel)
         except BreakerOpen as exc:
             row = classify_exception("BreakerOpen")
-            self._record(operation, row, error_class="BreakerOpen", duration=0.0, counted=False)
+            self.record(operation, row, error_class="BreakerOpen", duration=0.0, counted=False)
             raise VendorError(row, operation=operation, error_class="BreakerOpen", retry_after_s=None) from exc
         request_headers = {**self.auth_headers, **(headers or {})}
         started = time.monotonic()
@@ -207,7 +207,7 @@ class VendorHttp:
             raise
         except MalformedResponse as exc:
             row = classify_exception("MalformedResponse")
-            self._record(operation, row, status=status, error_class="MalformedResponse",
+            self.record(operation, row, status=status, error_class="MalformedResponse",
                          duration=time.monotonic() - started, sent=(sent_counter or [0])[0], received=received,
                          permit=permit)
             raise VendorError(row, operation=operation, status=status, code="malformed_response",
@@ -222,7 +222,7 @@ class VendorHttp:
                 row, operation=operation, error_class=type(exc).__name__,
                 bytes_sent=(sent_counter or [0])[0],
             )
-            self._record(operation, row, error_class=type(exc).__name__, duration=duration,
+            self.record(operation, row, error_class=type(exc).__name__, duration=duration,
                          sent=error.bytes_sent, permit=permit)
             raise error from None
         duration = time.monotonic() - started
@@ -230,7 +230,7 @@ class VendorHttp:
         if 300 <= status < 400:
             row = classify_status(status)
             location = response.headers.get("Location", "")[:200]
-            self._record(operation, row, status=status, duration=duration, sent=sent, received=received,
+            self.record(operation, row, status=status, duration=duration, sent=sent, received=received,
                          permit=permit, code="redirected")
             raise VendorError(row, operation=operation, status=status, code="redirected", bytes_sent=sent,
                               detail=f"HTTP {status} to {location or '(no Location)'}")
@@ -242,14 +242,14 @@ class VendorHttp:
                 ChannelHealth.objects.filter(pk=self.channel.pk).update(
                     last_rate_limited_at=timezone.now(), last_retry_after_s=retry_after
                 )
-            self._record(operation, row, status=status, duration=duration, sent=sent, received=received,
+            self.record(operation, row, status=status, duration=duration, sent=sent, received=received,
                          retry_after=retry_after, permit=permit, code=code)
             raise VendorError(row, operation=operation, status=status, code=code, retry_after_s=retry_after, bytes_sent=sent,
                               detail=detail)
-        self._record(operation, _OK, status=status, duration=duration, sent=sent, received=received, permit=permit)
+        self.record(operation, _OK, status=status, duration=duration, sent=sent, received=received, permit=permit)
         return result
 
-    def _record(
+    def record(
         self,
         operation: str,
         row: Row,
