@@ -169,6 +169,15 @@ class Connection:
             if index < len(wire):
                 await asyncio.sleep(delay_s)
 
+    async def respond_malformed_chunk(self, status: int, headers: list[tuple[str, str]], garbage: bytes) -> None:
+        """A chunked answer's status line and headers, then bytes that are no chunk, then the close."""
+        self._write(h11.Response(status_code=status, reason=_reason(status), headers=[
+            *headers, ("Transfer-Encoding", "chunked"), ("Date", formatdate(usegmt=True))]))
+        # Not a hexadecimal size line: no HTTP parser can read a body out of this.
+        self.writer.write(b"zz" + garbage.replace(b"\r\n", b"  ") + b"\r\n")
+        await self.writer.drain()
+        self.close()
+
     def _write(self, event: Any) -> None:
         data = self.h11.send(event)
         if data:

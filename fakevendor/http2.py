@@ -158,6 +158,16 @@ class H2Stream:
         await self.session.flush()
         self.session.close()
 
+    async def respond_malformed_chunk(self, status: int, headers: list[tuple[str, str]], garbage: bytes) -> None:
+        """The headers, a DATA frame of random bytes shorter than announced, then the close."""
+        self.answered = True
+        await self.session.send_headers(self.stream_id, [
+            (":status", str(status)), *[(k.lower(), v) for k, v in headers if k.lower() != "connection"],
+            ("content-length", str(len(garbage) * 4)), ("date", formatdate(usegmt=True))], end_stream=False)
+        await self.session.send_data(self.stream_id, garbage, end_stream=False)
+        await self.session.flush()
+        self.session.close()
+
     def reset(self) -> None:
         self.session.abort()
 

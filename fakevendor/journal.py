@@ -105,6 +105,10 @@ class Recorded:
         self._keep(status, headers, body, cut_after_bytes=limit)
         await self._conn.respond_truncated(status, headers, body, limit=limit)
 
+    async def respond_malformed_chunk(self, status, headers, garbage):
+        self._keep(status, headers, garbage, malformed_chunk=True)
+        await self._conn.respond_malformed_chunk(status, headers, garbage)
+
     async def respond_sliced(self, status, headers, body, **options):
         self._keep(status, headers, body)
         await self._conn.respond_sliced(status, headers, body, **options)

@@ -1,8 +1,8 @@
 """The one small interface both transports (http1.Connection, http2.H2Stream) give the handlers.
 
 A handler reads the request body and sends one answer through it; faults use its primitives
-(a real reset, a close, a stall, GOAWAY). `respond_truncated` and `respond_sliced` write raw
-HTTP/1.1 bytes and exist only there (the faults that need them declare `protocols`).
+(a real reset, a close, a stall, GOAWAY, an answer cut short or with a broken body). `respond_sliced`
+writes raw HTTP/1.1 bytes and exists only there (the faults that need it declare `protocols`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class Wire(Protocol):
     async def garbage(self, size: int, rng: Any) -> None: ...
     async def stall_forever(self) -> None: ...
     async def goaway(self, *, last_stream_id: int | None = None, error_code: int = 0) -> Any: ...
+    async def respond_truncated(self, status: int, headers: list[tuple[str, str]], body: bytes | Path, *,
+                                limit: int) -> None: ...
+    async def respond_malformed_chunk(self, status: int, headers: list[tuple[str, str]], garbage: bytes) -> None: ...
 
 
 def reason(status: int) -> bytes:

@@ -14,7 +14,7 @@ from fakevendor.faults.base import FAMILIES, STAGES, Fault
 REGISTERED = (
     # wire: what happens on the socket
     "delay", "stall", "dribble", "bandwidth", "http_error", "rate_limit", "reset", "close", "garbage", "goaway",
-    "response_lost", "redirect", "malformed", "slicer", "timeout", "reset_peer", "limit_data", "slow_close",
+    "response_lost", "redirect", "malformed", "malformed_chunk", "slicer", "timeout", "reset_peer", "limit_data", "slow_close",
     # create: how a job create behaves
     "ignore_idempotency", "duplicate_create", "duplicate_on_create",
     # job: what the created job does later

@@ -476,6 +476,26 @@ def test_malformed_answers_a_2xx_whose_body_a_client_cannot_use_after_acting(fak
     assert len(ledger(http, "ref-1")) == 1, "the job was created (and billed) although the answer is unusable"
 
 
+def test_malformed_chunk_answers_a_status_then_garbage_where_the_body_should_be(fake, http):
+    up = upload(http).json()
+    fake.add_rule({"endpoint": "POST /v1/jobs", "type": "malformed_chunk", "params": {"bytes": 100}})
+    with pytest.raises(httpx.RemoteProtocolError):
+        create(http, up["upload_id"], client_ref="chunk-ref")
+    assert fake.journal(endpoint="POST /v1/jobs")[-1]["outcome"] == "malformed_chunk"
+    assert len(ledger(http, "chunk-ref")) == 1, "processed and billed before the broken answer"
+    raw = socket.create_connection(("127.0.0.1", int(http.base_url.port)), timeout=5)
+    fake.clear_rules()
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "malformed_chunk"})
+    raw.sendall(f"GET /v1/usage HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    received = b""
+    while chunk := raw.recv(4096):
+        received += chunk
+    raw.close()
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    assert rest.startswith(b"zz") and len(rest) == 2 + 64 + 2, "garbage where the first chunk's size belongs"
+
+
 def test_amnesia_forgets_uploads_jobs_and_keys_but_not_what_was_billed(fake, http):
     up = upload(http).json()
     job = create(http, up["upload_id"]).json()

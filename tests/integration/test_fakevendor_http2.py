@@ -216,3 +216,12 @@ def test_limit_data_over_http2_sends_the_headers_and_n_body_bytes_then_closes(fa
     assert len(ledger(h2, "h2-cut")) == 1, "processed and billed; only the answer was cut"
     cut = fake.journal(endpoint="POST /v1/jobs")[-1]
     assert cut["outcome"] == "limit_data" and cut["protocol"] == "HTTP/2"
+
+
+def test_malformed_chunk_over_http2_gives_headers_then_a_broken_body(fake, h2):
+    fake.add_rule({"endpoint": "GET /v1/usage", "type": "malformed_chunk", "params": {"bytes": 30}})
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+        with h2.stream("GET", "/v1/usage") as answer:
+            assert answer.status_code == 200
+            answer.read()
+    assert fake.journal(endpoint="GET /v1/usage")[-1]["outcome"] == "malformed_chunk"
