@@ -9,7 +9,7 @@ PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-sqlite test-distributed poc bench install browser engine migrate clean
+.PHONY: run test test-sqlite test-s3 test-distributed poc bench install browser engine migrate clean
 
 poc: install
 	$(PY) manage.py poc run all
@@ -48,12 +48,24 @@ engine:
 	    libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui poppler-utils python3-uno fonts-dejavu-core >/dev/null \
 	  || echo "could not install LibreOffice: conversions go to the vendor channels (the console says so)"; fi
 
-test: install browser engine test-sqlite test-distributed
+test: install browser engine test-sqlite test-s3 test-distributed
 
 test-sqlite: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) manage.py poc run all
 	$(PY) manage.py poc run all --dialect assemblyai
+
+# The tests that store, read, serve and delete files and results, with every one of them in a
+# bucket of a real S3 protocol server the tests start (moto's server mode).
+S3_TESTS := tests/integration/test_pipeline.py tests/integration/test_cancel_results_notifications.py \
+	tests/integration/test_retention_quarantine.py tests/integration/test_api_intake.py \
+	tests/integration/test_portal_and_metrics.py tests/integration/test_precheck.py \
+	tests/integration/test_hostile_inputs.py tests/integration/test_money_paths.py \
+	tests/integration/test_local_engine.py tests/integration/test_console_recovery.py \
+	tests/e2e/test_portal_browser.py
+test-s3: install
+	@echo "== files and results in an S3 bucket =="
+	SLUICE_STORAGE_URL=s3://sluice-suite/run $(PY) -m pytest $(PYTEST_ARGS) $(S3_TESTS)
 
 # The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI).
 test-distributed: install

@@ -233,12 +233,18 @@ def build(site) -> list:
         if not request.user.has_perm("tasks.open_quarantined_file"):
             raise PermissionDenied("only the admin role may open quarantined content")
         entry = get_object_or_404(Quarantine, pk=entry_id)
-        if entry.purged_at or not entry.file.path.exists():
+        from tasks.storage import open_stored
+
+        try:
+            content = None if entry.purged_at else open_stored(entry.file.storage_name)
+        except (OSError, FileNotFoundError):
+            content = None
+        if content is None:
             messages.error(request, "The content was purged.")
             return HttpResponseRedirect(reverse("admin:tasks_quarantine_change", args=[entry.pk]))
         audit(actor=request.user.get_username(), action="quarantine_open_file", target_type="quarantine",
               target_id=str(entry.pk), done=1, detail={"reason": entry.reason})
-        response = FileResponse(open(entry.file.path, "rb"), content_type="application/octet-stream", as_attachment=True,
+        response = FileResponse(content, content_type="application/octet-stream", as_attachment=True,
                                 filename=f"quarantined-{entry.pk}.bin")
         response["X-Content-Type-Options"] = "nosniff"
         response["Content-Security-Policy"] = "sandbox; default-src 'none'"

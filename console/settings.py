@@ -177,6 +177,13 @@ Q_CLUSTER = {
 MAX_UPLOAD_BYTES = env("SLUICE_MAX_UPLOAD_BYTES", 2 * 1024**3)
 FILES_DIR = DATA_DIR / "files"
 RESULTS_DIR = DATA_DIR / "results"
+# Object storage for stored files and results (tasks/storage.py): "" keeps them under
+# SLUICE_DATA_DIR; "s3://bucket/prefix" puts them in an S3-compatible bucket, reached at
+# SLUICE_S3_ENDPOINT_URL (empty: AWS) in SLUICE_S3_REGION with the credentials of boto3's own
+# chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, an instance role).
+STORAGE_URL = env("SLUICE_STORAGE_URL", "")
+S3_ENDPOINT_URL = env("SLUICE_S3_ENDPOINT_URL", "")
+S3_REGION = env("SLUICE_S3_REGION", "us-east-1")
 DISPATCH_TICK_S = env("SLUICE_DISPATCH_TICK_S", 0.2)
 # Deadlines, the watchdog, probes, notifications and housekeeping: at most this often (real s).
 DISPATCH_FULL_TICK_S = env("SLUICE_DISPATCH_FULL_TICK_S", 0.25)

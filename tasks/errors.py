@@ -117,3 +117,9 @@ class InvalidMultipart(SluiceError):
     """The multipart body cannot be parsed."""
 
     code, status = "invalid_multipart", 400
+
+
+class StorageUnavailable(SluiceError):
+    """The object store did not take or give the file; nothing half-written was kept. Try again."""
+
+    code, status = "storage_unavailable", 503

@@ -148,3 +148,53 @@ def run_until(task_id, *, states=("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")
             history = list(task.events.values_list("from_state", "to_state", "reason"))
             raise AssertionError(f"task stuck in {task.state} ({task.error_code}); history: {history}")
         time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """A real S3 + Transcribe protocol server (moto's server mode) on loopback, for the session."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tasks.system import free_port
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(f"{url}/moto-api/", timeout=1)
+            break
+        except httpx.HTTPError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the S3/Transcribe server did not start") from None
+            time.sleep(0.1)
+    yield url
+    process.terminate()
+    process.wait(10)
+    log.close()
+
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_bucket(request):
+    """SLUICE_STORAGE_URL=s3://bucket/prefix without an endpoint runs the whole session against a
+    real S3 protocol server started here (make test-s3): every stored file and result goes there."""
+    if not os.environ.get("SLUICE_STORAGE_URL") or os.environ.get("SLUICE_S3_ENDPOINT_URL"):
+        yield None
+        return
+    from urllib.parse import urlsplit
+
+    import boto3
+
+    url = request.getfixturevalue("moto_server")
+    os.environ.update(SLUICE_S3_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing-secret")
+    settings.S3_ENDPOINT_URL = url
+    bucket = urlsplit(os.environ["SLUICE_STORAGE_URL"]).netloc
+    boto3.client("s3", endpoint_url=url, region_name=settings.S3_REGION).create_bucket(Bucket=bucket)
+    yield url

@@ -13,7 +13,7 @@ from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine,
 from tasks.services.billing import billing_reconcile
 from tasks.services.quarantine import poison_reevaluate, quarantine_expire
 from tasks.states import TERMINAL_STATES, State
-from tasks.storage import result_file
+from tasks.storage import delete_stored, discard_result
 
 IDEMPOTENCY_KEEP_S = 48 * 3600
 
@@ -75,7 +75,7 @@ def expire_originals() -> int:
             continue
         if Quarantine.objects.filter(file=file, released_at__isnull=True, purged_at__isnull=True).exists():
             continue  # held content follows the quarantine's own retention
-        file.path.unlink(missing_ok=True)
+        delete_stored(file.storage_name)
         FileVersion.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=now)
         removed += 1
     return removed
@@ -93,7 +93,9 @@ def purge_dead_letters() -> int:
 
 
 def remove_orphan_results(*, older_than_s: float = 3600) -> int:
-    """Result files no task references (a fenced attempt's late output) are removed."""
+    """Result files no task references (a fenced attempt's late output) are removed. (With a
+    bucket, results are put there only for an attempt about to publish, and a late one's is
+    deleted at once; the local scratch directory is swept the same way.)"""
     root = Path(settings.RESULTS_DIR)
     if not root.exists():
         return 0
@@ -114,7 +116,7 @@ def expire_results() -> int:
     now = timezone.now()
     for task in Task.objects.filter(state=State.SUCCEEDED).exclude(result_path="").select_related("tenant").iterator():
         if task.finished_at and task.finished_at < now - timescale.delta(task.tenant.result_retention_days * 86400):
-            result_file(task.result_path).unlink(missing_ok=True)
+            discard_result(task.result_path)
             Task.objects.filter(pk=task.pk).update(result_path="")
             removed += 1
     return removed

@@ -44,7 +44,7 @@ from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
 from tasks.services.quarantine import file_precheck, poison_binding
 from tasks.states import State
-from tasks.storage import store_stream
+from tasks.storage import delete_stored, store_stream
 
 PRIORITIES = ("interactive", "batch")
 DEFAULT_DEADLINE_S = 24 * 3600
@@ -85,7 +85,7 @@ def file_create(*, tenant: Tenant, chunks: Iterable[bytes], label: str = "") -> 
     blob = store_stream(chunks, max_bytes=int(settings.MAX_UPLOAD_BYTES))
     sniffed = filetypes.sniff(blob.head)
     if sniffed.family not in filetypes.ACCEPTED_AT_UPLOAD:
-        (settings.FILES_DIR / blob.storage_name).unlink(missing_ok=True)
+        delete_stored(blob.storage_name)
         raise UnsupportedType(
             f"Files of type {sniffed.mime} are not processed. Send audio (WAV, MP3, FLAC, OGG, M4A) or documents (PDF, Office, text)."
         )

@@ -19,6 +19,7 @@ from tasks.precheck import DETECTOR_VERSION
 from tasks.precheck.sandbox import run_precheck
 from tasks.services.replay import task_replay
 from tasks.states import State
+from tasks.storage import delete_stored, local_copy
 
 RETENTION_DAYS = 30
 LOCAL = "local"  # the local engine's channel
@@ -28,7 +29,8 @@ VENDOR_REFUSAL_CODES_EXCLUDED = ("deadline_exceeded", "retries_exhausted", "quar
 
 def file_precheck(*, file: FileVersion) -> FileVersion:
     """Run the sandboxed pre-check once per file version and record what it found."""
-    result = run_precheck(file.path, file.extension)
+    with local_copy(file.storage_name) as source:
+        result = run_precheck(source, file.extension)
     state = FileVersion.Precheck.PASSED if result.verdict == "pass" else FileVersion.Precheck.QUARANTINED
     FileVersion.objects.filter(pk=file.pk, precheck_state=FileVersion.Precheck.PENDING).update(
         precheck_state=state, precheck_findings=result.findings,
@@ -173,7 +175,7 @@ def quarantine_purge(*, entry: Quarantine, actor: str) -> bool:
         return False
     files = FileVersion.objects.filter(tenant_id=entry.tenant_id, sha256=entry.sha256, deleted_at__isnull=True)
     for file in files:
-        file.path.unlink(missing_ok=True)
+        delete_stored(file.storage_name)
     now = timezone.now()
     files.update(deleted_at=now)
     Quarantine.objects.filter(pk=entry.pk).update(purged_at=now)

@@ -6,8 +6,6 @@ Lost start answers are injected by the fake vendor in proxy mode between Sluice 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from urllib.parse import urlsplit
@@ -16,7 +14,6 @@ import httpx
 import pytest
 
 from tasks.models import Task, VendorCall, VendorChannel, VendorJob
-from tasks.system import free_port
 from tests.conftest import TEST_TIME_SCALE, run_until
 from tests.support.flows import submit_file
 
@@ -25,28 +22,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REGION = "us-east-1"
 MEDIA, OUTPUT = "sluice-media", "sluice-transcripts"
 KEYS = dict(aws_access_key_id="testing", aws_secret_access_key="testing-secret")
-
-
-@pytest.fixture(scope="session")
-def moto_server(tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(f"{url}/moto-api/", timeout=1)
-            break
-        except httpx.HTTPError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the S3/Transcribe server did not start") from None
-            time.sleep(0.1)
-    yield url
-    process.terminate()
-    process.wait(10)
-    log.close()
 
 
 class AWSPart:

@@ -7,7 +7,7 @@ from tasks.models import Task, TaskEvent, VendorJob
 from tasks.poc import files
 from tasks.queueing import send_step
 from tests.conftest import wait_for
-from tests.support.flows import state, submit_file
+from tests.support.flows import downloaded, state, submit_file
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -18,7 +18,7 @@ def test_a_submitted_task_succeeds_and_its_result_matches_its_digest(system, ven
     task = Task.objects.get(pk=task_id)
     assert task.state == "SUCCEEDED", (task.error_code, task.error_message)
     download = api.get(f"/api/v1/tasks/{task_id}/result")
-    body = b"".join(download.streaming_content)
+    body = downloaded(download)
     import hashlib
 
     assert download["X-Content-SHA256"] == hashlib.sha256(body).hexdigest() == task.result_sha256

@@ -13,6 +13,7 @@ from console.staff import staff_ensure
 from tasks.models import DeadLetter, FileVersion, Quarantine, Task, VendorChannel
 from tasks.poc import files
 from tasks.services.housekeeping import expire_originals, purge_dead_letters
+from tasks.storage import stored_exists
 from tests.conftest import run_until
 from tests.support.flows import route, submit_file
 
@@ -25,8 +26,8 @@ def test_originals_past_retention_are_deleted_once_no_task_needs_them(inline_que
     FileVersion.objects.update(created_at=timezone.now() - timedelta(days=31))
     assert expire_originals() == 1
     kept, gone = FileVersion.objects.get(pk=live.file_id), FileVersion.objects.get(pk=done.file_id)
-    assert gone.deleted_at is not None and not gone.path.exists()
-    assert kept.deleted_at is None and kept.path.exists(), "a task still needs this file"
+    assert gone.deleted_at is not None and not stored_exists(gone.storage_name)
+    assert kept.deleted_at is None and stored_exists(kept.storage_name), "a task still needs this file"
     assert Task.objects.get(pk=done.pk).result_sha256, "the task's history and digests stay"
 
 

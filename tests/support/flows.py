@@ -33,3 +33,23 @@ def route(task_id: str) -> Task:
 
 def state(task_id: str) -> str:
     return Task.objects.values_list("state", flat=True).get(pk=task_id)
+
+
+def downloaded(answer) -> bytes:
+    """A result download's bytes, wherever the result lives: streamed by Sluice (local files) or
+    behind the pre-signed link Sluice redirects to (a bucket)."""
+    if answer.status_code == 302:
+        import httpx
+
+        fetched = httpx.get(answer["Location"], timeout=30)
+        assert fetched.status_code == 200, fetched.text[:300]
+        return fetched.content
+    return b"".join(answer.streaming_content) if answer.streaming else answer.content
+
+
+def stored_bytes(file) -> bytes:
+    """A stored file's bytes, wherever it lives (SLUICE_DATA_DIR or a bucket)."""
+    from tasks.storage import open_stored
+
+    with open_stored(file.storage_name) as handle:
+        return handle.read()

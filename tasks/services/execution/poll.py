@@ -25,7 +25,7 @@ from tasks.services.execution.retry import fail, retry_or_fallback, to_reconcili
 from tasks.services.outcomes import task_move
 from tasks.services.quarantine import poison_check
 from tasks.states import State
-from tasks.storage import attempt_result_path, relative_result
+from tasks.storage import StorageUnavailable, attempt_result_path, discard_result, publish_result
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure, Outcome
 from tasks.vendors.errors import VendorError
@@ -159,9 +159,15 @@ def _fetch(task: Task) -> str:
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="result_digest_mismatch")
         return _integrity_failure(task, "the result's sha256 does not match what the vendor declared")
     audit_duplicates(task, task.channel, vendor, keep_job_id=job.vendor_job_id)
+    try:
+        relative = publish_result(dest)
+    except StorageUnavailable as exc:
+        dest.unlink(missing_ok=True)
+        _schedule_fetch(task, Failure(Outcome.NOT_PROCESSED, code="result_store_unavailable", message=str(exc)))
+        return "fetch_retry"
     moved = task_move(
         task.pk, source=S.RUNNING, target=S.SUCCEEDED, generation=g, actor=actor(), reason="result fetched and verified",
-        fields=dict(result_path=relative_result(dest), result_sha256=fetched.sha256, result_size=fetched.size,
+        fields=dict(result_path=relative, result_sha256=fetched.sha256, result_size=fetched.size,
                     result_content_type=fetched.content_type[:100], lease_owner="", lease_expires_at=None,
                     error_code="", error_message=""),
         attempt_outcome=Attempt.Outcome.SUCCEEDED, data={"vendor_job_id": job.vendor_job_id, "sha256": fetched.sha256},
@@ -170,6 +176,7 @@ def _fetch(task: Task) -> str:
     if moved is None:
         # Someone else moved the task first (a cancel, a fence): this late result is discarded.
         dest.unlink(missing_ok=True)
+        discard_result(relative)
         current = Task.objects.filter(pk=task.pk).values_list("state", "generation").first()
         lifecycle.record_event(
             task.pk, generation=current[1] if current else g, actor=actor(),

@@ -34,6 +34,7 @@ from tasks.services.execution.lease import Lease, actor, lease_seconds, load_tas
 from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
 from tasks.services.quarantine import poison_check
 from tasks.states import State
+from tasks.storage import local_copy
 from tasks.vendors import breaker
 from tasks.vendors.capabilities import Capabilities
 from tasks.vendors.classification import Outcome
@@ -98,8 +99,9 @@ def submit(task: Task, lease: Lease) -> None:
         if uses_two_step(channel, vendor.capabilities):
             if not task.upload_id or _expired(task.upload_expires_at):
                 stage = "upload"
-                receipt = vendor.upload(file.path, size=file.size, sha256=file.sha256, operation=operation_of(task),
-                                        on_chunk=lease.heartbeat)
+                with local_copy(file.storage_name) as source:
+                    receipt = vendor.upload(source, size=file.size, sha256=file.sha256, operation=operation_of(task),
+                                            on_chunk=lease.heartbeat)
                 expires = parse_datetime(receipt.expires_at) if receipt.expires_at else None
                 if not task_update(task.pk, state=S.RUNNING, generation=g, upload_id=receipt.upload_id,
                                    upload_expires_at=expires, phase=P.CREATE):
@@ -109,11 +111,13 @@ def submit(task: Task, lease: Lease) -> None:
             slots_release(task.pk, UPLOAD, reason="upload done")
             request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
                                  options=task.params, upload_ref=task.upload_id, callback_url=vendor_callback_url(channel))
+            created = vendor.create_job(request)
         else:
-            request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
-                                 options=task.params, inline_path=file.path, size=file.size, sha256=file.sha256,
-                                 on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel))
-        created = vendor.create_job(request)
+            with local_copy(file.storage_name) as source:
+                request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
+                                     options=task.params, inline_path=source, size=file.size, sha256=file.sha256,
+                                     on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel))
+                created = vendor.create_job(request)
     except StopUpload:
         slots_release(task.pk, UPLOAD, reason="upload stopped")
         lease.release()
