@@ -9,7 +9,7 @@ PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-sqlite test-s3 test-distributed poc bench install browser engine migrate clean
+.PHONY: run test test-sqlite test-s3 test-distributed poc bench chaos install browser engine migrate clean
 
 poc: install
 	$(PY) manage.py poc run all
@@ -65,7 +65,7 @@ S3_TESTS := tests/integration/test_pipeline.py tests/integration/test_cancel_res
 	tests/e2e/test_portal_browser.py
 test-s3: install
 	@echo "== files and results in an S3 bucket =="
-	SLUICE_STORAGE_URL=s3://sluice-suite/run $(PY) -m pytest $(PYTEST_ARGS) $(S3_TESTS)
+	SLUICE_STORAGE_URL=s3://sluice-suite/run SLUICE_DATA_DIR=$(CURDIR)/var/test-s3 $(PY) -m pytest $(PYTEST_ARGS) $(S3_TESTS)
 
 # The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI).
 test-distributed: install
@@ -79,5 +79,9 @@ test-distributed: install
 bench: install
 	$(PY) manage.py bench
 
+# Sluice on namespaced hosts under partitions, kills and vendor faults (root; docs/deployment.md).
+chaos: install
+	$(PY) manage.py chaos --tasks 500 --minutes 15
+
 clean:
-	rm -rf var/test .pytest_cache
+	rm -rf var/test var/test-s3 .pytest_cache

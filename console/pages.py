@@ -233,12 +233,16 @@ def build(site) -> list:
         if not request.user.has_perm("tasks.open_quarantined_file"):
             raise PermissionDenied("only the admin role may open quarantined content")
         entry = get_object_or_404(Quarantine, pk=entry_id)
+        from tasks.errors import StorageUnavailable
         from tasks.storage import open_stored
 
         try:
             content = None if entry.purged_at else open_stored(entry.file.storage_name)
-        except (OSError, FileNotFoundError):
+        except OSError:
             content = None
+        except StorageUnavailable as exc:
+            messages.error(request, f"{exc.detail} Nothing was opened; try again.")
+            return HttpResponseRedirect(reverse("admin:tasks_quarantine_change", args=[entry.pk]))
         if content is None:
             messages.error(request, "The content was purged.")
             return HttpResponseRedirect(reverse("admin:tasks_quarantine_change", args=[entry.pk]))

@@ -25,7 +25,10 @@ REDACTED = "[redacted]"
 SECRET_HEADERS = {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key",
                   "x-vendor-signature"}
 SECRET_WORDS = re.compile(r"(secret|token|password|passwd|api[_-]?key|authorization|auth_header_value|signature)", re.I)
-TEXT_TYPES = ("application/json", "application/problem+json", "text/", "application/x-www-form-urlencoded")
+# Bodies kept as (redacted) text; anything else (files, results, text/* answers) is a digest.
+TEXT_TYPES = ("application/json", "application/problem+json", "application/x-www-form-urlencoded")
+# JSON fields that carry content (a transcript's text, its words): kept as a digest.
+CONTENT_WORDS = {"text", "transcript", "transcripts", "words", "utterances", "paragraphs", "sentences", "results"}
 
 
 def redact_headers(headers: Any) -> dict[str, str]:
@@ -38,9 +41,15 @@ def redact_headers(headers: Any) -> dict[str, str]:
     return kept
 
 
+def _digest_of(value: Any) -> str:
+    return "[content sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16] + "]"
+
+
 def _redact_json(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: REDACTED if isinstance(k, str) and SECRET_WORDS.search(k) else _redact_json(v) for k, v in value.items()}
+        return {k: REDACTED if isinstance(k, str) and SECRET_WORDS.search(k)
+                else _digest_of(v) if isinstance(k, str) and k in CONTENT_WORDS and v not in (None, "", [])
+                else _redact_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_redact_json(v) for v in value]
     return value
@@ -72,11 +81,31 @@ def body_summary(body: bytes | Path | None, content_type: str, *, sha256: str | 
         try:
             text = json.dumps(_redact_json(json.loads(text)))
         except ValueError:
-            pass  # not JSON after all (a malformed answer): kept as it came
+            # Not JSON after all (a malformed answer): only its start, with nothing secret-looking.
+            text = SECRET_VALUE.sub(lambda m: m.group(1) + REDACTED, text[:256])
+    else:
+        text = redact_query(text)
     entry["text"] = text[:KEPT_BYTES]
     if len(text) > KEPT_BYTES:
         entry["truncated"] = True
     return entry
+
+
+SECRET_VALUE = re.compile(r"((?:secret|token|password|api[_-]?key|authorization|signature)[\"']?\s*[:=]\s*[\"']?)[^\"'&,\s}]+",
+                          re.I)
+
+
+def redact_query(query: str) -> str:
+    """A query string (or form body) with every secret-named parameter's value redacted."""
+    from urllib.parse import parse_qsl, urlencode
+
+    pairs = parse_qsl(query, keep_blank_values=True)
+    return urlencode([(k, REDACTED if SECRET_WORDS.search(k) else v) for k, v in pairs], safe="[]")
+
+
+def redact_target(target: str) -> str:
+    path, _, query = target.partition("?")
+    return f"{path}?{redact_query(query)}" if query else path
 
 
 class Recorded:

@@ -91,6 +91,11 @@ class Upstream:
     # --- the backend surface (as the dialects have it) --------------------------------------------
     async def route(self, conn: Any, request: Any, channel: Any, facts: Any, *, bandwidth: float | None,
                     reset_after: int | None) -> Answer:
+        if not request.target.startswith("/") or request.target.startswith("//"):
+            # Only origin-form targets: nothing a client sends may point the proxy at another host.
+            if conn.body_pending:
+                await conn.read_body(request)
+            return problem(400, "invalid_target", "The request target must be a path (origin-form).")
         spooled = await self._spool_request(conn, request, bandwidth=bandwidth, reset_after=reset_after)
         try:
             if not self.url:
@@ -133,20 +138,21 @@ class Upstream:
                 yield chunk
 
         has_body = size_in > 0
+        path = self.spool_dir / f"answer-{uuid.uuid4().hex}"
+        request.cleanup.append(path)  # removed once answered, whatever happens
         try:
             async with self._client.stream(request.method, self.url + request.target, headers=headers,
                                            content=body() if has_body else None) as answer:
-                path = self.spool_dir / f"answer-{uuid.uuid4().hex}"
                 size = 0
                 with open(path, "wb") as out:
                     async for chunk in answer.aiter_raw():
                         out.write(chunk)
                         size += len(chunk)
-                status, kept = answer.status_code, [(k, v) for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP]
-        except httpx.HTTPError as exc:
+                status = answer.status_code
+                kept = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in HOP_BY_HOP]
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             return problem(502, "upstream_unreachable", f"The upstream vendor did not answer: {type(exc).__name__}.",
                            retryable=True)
-        request.cleanup.append(path)
         if size <= SPOOL_BYTES:
             data = path.read_bytes()
             result: bytes | Path = data

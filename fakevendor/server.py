@@ -277,7 +277,8 @@ class FakeVendor:
             body = journal.body_summary(request.body, content_type)
         else:  # a file streamed to disk (or no body): its digest and size only
             body = journal.body_summary(None, content_type, sha256=request.input_sha256, size=request.bytes_in)
-        sent = {"method": request.method, "target": request.target, "headers": journal.redact_headers(request.headers),
+        sent = {"method": request.method, "target": journal.redact_target(request.target),
+                "headers": journal.redact_headers(request.headers),
                 "body": body}
         return {
             "at": time.time(), "method": request.method, "path": request.path,

@@ -172,9 +172,10 @@ def _client_errors() -> tuple[type[BaseException], ...]:
 
 
 @contextlib.contextmanager
-def local_copy(storage_name: str) -> Iterator[Path]:
+def local_copy(storage_name: str, *, on_progress: Any = None) -> Iterator[Path]:
     """The stored file's bytes on this host's disk for as long as the block runs (in place for
-    local files; a temporary copy, downloaded in parts, from a bucket)."""
+    local files; a temporary copy, downloaded in parts, from a bucket). `on_progress(bytes)` is
+    called in this thread as the copy arrives (a step's lease heartbeat)."""
     store = bucket_storage()
     if store is None:
         yield Path(settings.FILES_DIR) / storage_name
@@ -185,8 +186,13 @@ def local_copy(storage_name: str) -> Iterator[Path]:
     os.close(handle)
     path = Path(name)
     try:
+        from boto3.s3.transfer import TransferConfig
+
+        # In this thread (no transfer threads), so the progress callback may touch the database.
+        config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, use_threads=False)
         try:
-            store.bucket.download_file(store._normalize_name(f"files/{storage_name}"), str(path))
+            store.bucket.download_file(store._normalize_name(f"files/{storage_name}"), str(path), Config=config,
+                                       Callback=on_progress)
         except _client_errors() as exc:
             raise StorageUnavailable(f"the object store did not give the file: {type(exc).__name__}") from None
         yield path
@@ -195,11 +201,21 @@ def local_copy(storage_name: str) -> Iterator[Path]:
 
 
 def open_stored(storage_name: str) -> Any:
-    """The stored file opened for reading (a stream; from a bucket, spooled as it is read)."""
+    """The stored file opened for reading (a stream; from a bucket, spooled as it is read);
+    FileNotFoundError when it is gone, StorageUnavailable when the store does not answer."""
     store = bucket_storage()
     if store is None:
         return open(Path(settings.FILES_DIR) / storage_name, "rb")
-    return store.open(f"files/{storage_name}", "rb")
+    try:
+        if not store.exists(f"files/{storage_name}"):
+            raise FileNotFoundError(storage_name)
+        handle = store.open(f"files/{storage_name}", "rb")
+        handle.read(0)  # fetched now, so a failing store is seen here and not mid-response
+        return handle
+    except _client_errors() as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise StorageUnavailable(f"The object store did not give the file ({type(exc).__name__}).") from None
 
 
 def stored_exists(storage_name: str) -> bool:
@@ -242,7 +258,13 @@ def discard_result(relative: str) -> None:
 
 def result_exists(relative: str) -> bool:
     store = bucket_storage()
-    return result_file(relative).exists() if store is None else store.exists(f"results/{relative}")
+    if store is None:
+        return result_file(relative).exists()
+    try:
+        return store.exists(f"results/{relative}")
+    except _client_errors() as exc:
+        raise StorageUnavailable(f"The object store did not answer ({type(exc).__name__}); try again.",
+                                 retry_after=5) from None
 
 
 def result_link(relative: str, *, filename: str, content_type: str) -> str | None:

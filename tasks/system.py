@@ -57,6 +57,10 @@ class Stack:
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     processes: dict[str, Managed] = field(default_factory=dict)
+    # Where its processes run: a prefix for every command (e.g. `ip netns exec <host>`, see
+    # tasks/hosts.py) and the address its servers bind.
+    wrap: list[str] = field(default_factory=list)
+    bind: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,7 @@ class Stack:
     def spawn(self, name: str, command: list[str], *, extra_env: dict[str, str] | None = None) -> Managed:
         log = open(self.log_dir / f"{name}.log", "ab")
         process = subprocess.Popen(
-            command, cwd=BASE, env=self._env(extra_env), stdout=log, stderr=subprocess.STDOUT,
+            [*self.wrap, *command], cwd=BASE, env=self._env(extra_env), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         managed = Managed(name=name, process=process, log=log)
@@ -91,7 +95,7 @@ class Stack:
         ready = self.log_dir / f"{name}.port"
         ready.unlink(missing_ok=True)
         args = ["fakevendor", "--port", "0", "--seed", str(seed), "--ready-file", str(ready),
-                "--data-dir", str(self.log_dir / f"{name}-data")]
+                "--data-dir", str(self.log_dir / f"{name}-data"), "--host", self.bind]
         if time_scale is not None:
             args += ["--time-scale", str(time_scale)]
         if processing_ms is not None:
@@ -104,7 +108,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready.exists() and ready.read_text().strip():
-                return f"http://127.0.0.1:{ready.read_text().strip()}"
+                return f"http://{self.bind}:{ready.read_text().strip()}"
             self._check_alive(name)
             time.sleep(0.05)
         raise RuntimeError(f"{name} did not start; see {self.log_dir / (name + '.log')}")
@@ -112,11 +116,11 @@ class Stack:
     def start_web(self, name: str = "web", *, workers: int = 2, threads: int = 8, timeout: float = 30) -> str:
         port = free_port()
         self.spawn(name, [
-            sys.executable, "-m", "gunicorn", "console.wsgi", "--bind", f"127.0.0.1:{port}",
+            sys.executable, "-m", "gunicorn", "console.wsgi", "--bind", f"{self.bind}:{port}",
             "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
             "--timeout", "120", "--graceful-timeout", "5", *GUNICORN_LIMITS,
         ])
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{self.bind}:{port}"
         self.wait_http(f"{url}/healthz", name=name, timeout=timeout)
         return url
 

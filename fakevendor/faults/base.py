@@ -50,11 +50,15 @@ class Param:
     def check(self, params: dict[str, Any]) -> None:
         """Refuse a bad value with a message naming the field."""
         field_name = f"params.{self.name}"
-        if self.name not in params or (params[self.name] is None and self.kind != "bool"):
-            if self.required and not (self.nullable and self.name in params):
+        if self.name not in params:
+            if self.required:
                 raise RuleError(field_name, "is required")
             return
         value = params[self.name]
+        if value is None:
+            if not self.nullable:
+                raise RuleError(field_name, "must not be null (leave it out for the default)")
+            return
         if self.kind in ("number", "integer"):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise RuleError(field_name, "must be a number")

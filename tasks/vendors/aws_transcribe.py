@@ -81,6 +81,12 @@ BOTOCORE_EXCEPTIONS = {
     "ConnectionClosedError": "RemoteProtocolError", "ResponseParserError": "MalformedResponse",
     "S3UploadFailedError": "WriteError",
 }
+# Failures of ours before anything was sent: refused, and never held against the vendor's breaker.
+REFUSED_LOCALLY = {
+    "ParamValidationError": Row(Outcome.REFUSED, False, "the request is not valid for AWS (check the task's options)"),
+    "NoCredentialsError": Row(Outcome.REFUSED, False, "no AWS credentials: set the channel's api_key"),
+    "PartialCredentialsError": Row(Outcome.REFUSED, False, "incomplete AWS credentials in the channel's api_key"),
+}
 _clients: dict[tuple, Any] = {}
 _clients_lock = threading.Lock()
 
@@ -137,8 +143,10 @@ class AWSTranscribeAdapter:
 
         access_key, _, secret_key = (self.channel.api_key or ":").partition(":")
         endpoint = self.channel.base_url.rstrip("/") if service == "transcribe" else self._s3_endpoint()
-        connect = round(self.calls.capped(timescale.seconds(self.calls.timeouts.connect_s)), 1)
-        read = round(self.calls.capped(timescale.seconds(read_s or self.calls.timeouts.status_s)), 1)
+        # The channel's timeouts (not cut to what is left of the attempt: one client per setting,
+        # and the steps' deadlines still bound how long an attempt waits).
+        connect = round(timescale.seconds(self.calls.timeouts.connect_s), 1)
+        read = round(timescale.seconds(read_s or self.calls.timeouts.status_s), 1)
         key = (os.getpid(), service, endpoint, self.settings.get("region"), access_key,
                hashlib.sha256(secret_key.encode()).hexdigest(), connect, read)
         with _clients_lock:
@@ -186,8 +194,16 @@ class AWSTranscribeAdapter:
         except (BotoCoreError, Boto3Error, UploadDeadlineExceeded, DownloadDeadlineExceeded, MalformedResponse,
                 OSError) as exc:
             name = BOTOCORE_EXCEPTIONS.get(type(exc).__name__, type(exc).__name__)
-            row = classify_exception(name)
-            self.calls.record(operation, row, error_class=name, duration=time.monotonic() - started, permit=permit)
+            cause = exc.__context__ if isinstance(exc.__context__, ClientError) else None
+            if cause is not None:  # an S3 transfer that failed on an AWS answer: that answer decides
+                code = cause.response.get("Error", {}).get("Code") or ""
+                row = _client_error_row(cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode"), code)
+            elif name in REFUSED_LOCALLY:
+                row = REFUSED_LOCALLY[name]
+            else:
+                row = classify_exception(name)
+            self.calls.record(operation, row, error_class=name, duration=time.monotonic() - started, permit=permit,
+                              counted=row.outcome != Outcome.REFUSED)
             raise VendorError(row, operation=operation, error_class=name, detail=str(exc)[:200]) from None
         self.calls.record(operation, Row(Outcome.OK, False, "ok"), status=200, duration=time.monotonic() - started,
                           permit=permit)
@@ -207,8 +223,8 @@ class AWSTranscribeAdapter:
             if on_chunk is not None:
                 on_chunk(sent)
 
-        transfer = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=2,
-                                  use_threads=True)
+        # In this thread: the progress callback renews the step's lease in the database.
+        transfer = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, use_threads=False)
         s3 = self._client("s3", read_s=self.calls.timeouts.acceptance_wait_s())
         self._call("upload", lambda: s3.upload_file(str(path), self.media_bucket, key, Config=transfer,
                                                     Callback=progress, ExtraArgs={"Metadata": {"sha256": sha256}}))

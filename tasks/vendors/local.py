@@ -136,6 +136,11 @@ class LocalEngineAdapter:
                               detail=f"the engine cannot convert .{extension} to {request.target_format}")
         staging = job_dir.with_name(f".{job_id}.{os.getpid()}")
         staging.mkdir(parents=True, exist_ok=True)
+        if request.inline_path is not None:
+            # The caller's file may be a temporary copy (files in a bucket): the job keeps its own.
+            kept = staging / f"input.{extension}"
+            shutil.copyfile(source, kept)
+            source = job_dir / kept.name
         (staging / "request.json").write_text(json.dumps({
             "input": str(source), "extension": extension, "target": request.target_format,
             "client_ref": request.operation.client_ref, "idempotency_key": request.operation.idempotency_key,

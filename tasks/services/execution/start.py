@@ -3,6 +3,7 @@ persisted when the task was dispatched."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -34,10 +35,10 @@ from tasks.services.execution.lease import Lease, actor, lease_seconds, load_tas
 from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
 from tasks.services.quarantine import poison_check
 from tasks.states import State
-from tasks.storage import local_copy
+from tasks.storage import StorageUnavailable, local_copy
 from tasks.vendors import breaker
 from tasks.vendors.capabilities import Capabilities
-from tasks.vendors.classification import Outcome
+from tasks.vendors.classification import Outcome, Row
 from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.errors import StopUpload, VendorError
 from tasks.vendors.http import SEND_BUFFER
@@ -99,7 +100,7 @@ def submit(task: Task, lease: Lease) -> None:
         if uses_two_step(channel, vendor.capabilities):
             if not task.upload_id or _expired(task.upload_expires_at):
                 stage = "upload"
-                with local_copy(file.storage_name) as source:
+                with _input_copy(file, lease) as source:
                     receipt = vendor.upload(source, size=file.size, sha256=file.sha256, operation=operation_of(task),
                                             on_chunk=lease.heartbeat)
                 expires = parse_datetime(receipt.expires_at) if receipt.expires_at else None
@@ -113,7 +114,7 @@ def submit(task: Task, lease: Lease) -> None:
                                  options=task.params, upload_ref=task.upload_id, callback_url=vendor_callback_url(channel))
             created = vendor.create_job(request)
         else:
-            with local_copy(file.storage_name) as source:
+            with _input_copy(file, lease) as source:
                 request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
                                      options=task.params, inline_path=source, size=file.size, sha256=file.sha256,
                                      on_chunk=lease.heartbeat, callback_url=vendor_callback_url(channel))
@@ -214,3 +215,16 @@ def new_operation_fields(task: Task, channel: VendorChannel) -> dict[str, Any]:
         channel=channel, vendor_op_seq=seq, vendor_client_ref=f"{task.pk}-{seq}",
         vendor_idempotency_key=f"sluice-{uuid.uuid4().hex}", upload_id="", upload_expires_at=None,
     )
+
+
+@contextlib.contextmanager
+def _input_copy(file, lease: Lease):
+    """The task's file on this host's disk while the vendor gets it; the lease is renewed while a
+    copy comes from a bucket, and a store that does not give it is a failure before any vendor
+    call (not processed: retried)."""
+    try:
+        with local_copy(file.storage_name, on_progress=lease.heartbeat) as source:
+            yield source
+    except StorageUnavailable as exc:
+        raise VendorError(Row(Outcome.NOT_PROCESSED, True, "the object store did not give the file"),
+                          operation="upload", code="storage_unavailable", detail=str(exc)[:200]) from None
