@@ -118,6 +118,8 @@ class Command(BaseCommand):
                           f"hosts {', '.join(result['hosts'])}")
         for fault in result["faults"]:
             self.stdout.write(f"  fault  {json.dumps(fault)}")
+        if result.get("restarts"):
+            self.stdout.write(f"  worker processes restarted after exiting: {len(result['restarts'])}")
         for name in ("terminal", "lost", "undetected_duplicate_billing", "late_writes_attempted", "late_writes_accepted",
                      "budget_violations", "quota_violations", "digest_mismatches"):
             self.stdout.write(f"  {name:<30} {result[name]}")
@@ -140,6 +142,7 @@ class Command(BaseCommand):
             host.stack.env.update(desc["env"])
         seed, tasks = options["seed"], options["tasks"]
         log: list[dict[str, Any]] = []
+        restarts: list[dict[str, Any]] = []  # worker processes that exited and were started again
         started = time.monotonic()
 
         def at() -> float:
@@ -250,8 +253,9 @@ class Command(BaseCommand):
             for host in hosts.hosts.values():
                 if host.name not in ("db", "store"):
                     host.stack.stop_all()
-        (run_dir / "report.json").write_text(json.dumps(chaos_report(report, log, hosts=list(hosts.hosts), seed=seed,
-                                                                     tasks=tasks, wall_s=at())))
+        result = chaos_report(report, log, hosts=list(hosts.hosts), seed=seed, tasks=tasks, wall_s=at())
+        result["restarts"] = restarts
+        (run_dir / "report.json").write_text(json.dumps(result))
 
 
 def chaos_report(report: dict[str, Any], faults: list[dict[str, Any]], *, hosts: list[str], seed: int, tasks: int,
