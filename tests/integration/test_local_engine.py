@@ -294,13 +294,14 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
         path.write_bytes(documents.docx(f"Warm memo {index}", pages=2))
         adapter, job_id = convert(path, "pdf", lane="interactive")
         view = finished(adapter, job_id)
+        # Read at once: a used-up instance is retired as soon as it is free.
+        state = __import__("json").loads((slot / "state.json").read_text())
         assert view.status == "completed", view
         status = __import__("json").loads((root() / "jobs" / job_id / "status.json").read_text())
         assert status["converter"] == "warm"
         out = tmp_path / f"memo-{index}.pdf"
         adapter.fetch_result(job_id, out, target_format="pdf")
         assert pages(out) == 2
-        state = __import__("json").loads((slot / "state.json").read_text())
         instances.append(state["soffice_pid"])
         bridges.append(state["bridge_pid"])
         if index == 1:  # used up: the supervisor retires it once it is free
