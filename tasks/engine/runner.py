@@ -146,12 +146,13 @@ def convert(request: dict[str, Any], job_dir: Path) -> Path:
                     raise  # the job's wall clock is spent
                 # A long-running instance may be what broke (its state, not the document): the
                 # document gets a fresh LibreOffice of its own before it is called a failure.
-                converted = False
+                converted = None
                 request["_warm_failed"] = failed.code
                 dest.unlink(missing_ok=True)
             if converted:
                 current = dest
                 request["_converter"] = "warm"
+                request["_warm_instance"] = converted
                 continue
         current = _step(step, current, target, limits=limits, deadline=deadline, tmp=tmp)
     if target == "pdf" and not current.read_bytes()[:5] == b"%PDF-":
@@ -214,6 +215,7 @@ def run(job_dir: Path) -> None:
         outcome = {"status": "completed", "result": result.name, "sha256": digest.hexdigest(),
                    "size": result.stat().st_size, "content_type": CONTENT_TYPES[request["target"]],
                    "converter": request.get("_converter", "cold"),
+                   **({"warm_instance": request["_warm_instance"]} if request.get("_warm_instance") else {}),
                    **({"warm_failed": request["_warm_failed"]} if request.get("_warm_failed") else {})}
     finally:
         # Before the final status: whoever sees the job ended sees its temporary files gone.

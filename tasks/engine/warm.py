@@ -100,20 +100,38 @@ def kill(slot: Path) -> None:
                 kill_one(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    (slot / "uno.sock").unlink(missing_ok=True)
+    _remove_leftovers(slot)
     (slot / "state.json").unlink(missing_ok=True)
 
 
+def _own_paths(slot: Path, supervisor_pid: int) -> tuple[Path, Path]:
+    """An instance's LibreOffice profile and bridge socket, named by its supervisor, so an ending
+    instance never removes those of the one that replaced it (a socket path stays short)."""
+    return slot / f"profile-{supervisor_pid}", slot / f"uno-{supervisor_pid}.sock"
+
+
+def _remove_leftovers(slot: Path) -> None:
+    """Remove the profiles and sockets of instances whose supervisor is gone (killed, not ended)."""
+    for path in [*slot.glob("profile-*"), *slot.glob("uno-*.sock")]:
+        pid = path.name.removeprefix("profile-").removeprefix("uno-").removesuffix(".sock")
+        if pid.isdigit() and not _alive(int(pid)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
 def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, pool: int, limits: dict[str, int],
-            recycle_after: int, idle_s: float, deadline: float, fmt: str = "pdf") -> bool:
-    """Convert to `fmt` in a warm instance of this lane; False when none can take it (the caller
-    goes cold). Raises runner.ConversionFailed when the conversion itself fails or overruns."""
+            recycle_after: int, idle_s: float, deadline: float, fmt: str = "pdf") -> dict[str, int] | None:
+    """Convert to `fmt` in a warm instance of this lane and say which one (its processes and how
+    many conversions it has made); None when none can take it (the caller goes cold). Raises
+    runner.ConversionFailed when the conversion itself fails or overruns."""
     from tasks.engine import ConversionFailed
 
     kind = family(extension)
     export = FILTERS.get((kind, fmt)) if kind else None
     if export is None or pool <= 0 or not available():
-        return False
+        return None
     for index in range(pool):
         slot = root / "warm" / lane / str(index)
         slot.mkdir(parents=True, exist_ok=True)
@@ -128,7 +146,7 @@ def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, 
                 state = _state(slot)
             pipe = state.get("pipe")
             if not pipe:
-                return False
+                return None
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -155,9 +173,12 @@ def convert(source: Path, dest: Path, *, extension: str, root: Path, lane: str, 
                 raise ConversionFailed("engine_out_of_memory" if b"bad_alloc" in done.stderr else "engine_crashed",
                                        "LibreOffice failed on the document" + (" and ended" if crashed else "")
                                        + f" ({reason[0][:200]})")
-            _write_state(slot, conversions=_state(slot).get("conversions", 0) + 1, last_used=time.time())
-            return True
-    return False
+            state = _state(slot)
+            _write_state(slot, conversions=state.get("conversions", 0) + 1, last_used=time.time())
+            return {"supervisor_pid": state.get("supervisor_pid", 0), "soffice_pid": state.get("soffice_pid", 0),
+                    "bridge_pid": state.get("bridge_pid", 0),
+                    "conversion": state.get("conversions", 0) + 1}
+    return None
 
 
 def _via_bridge(slot: Path, source: Path, dest: Path, export: str, timeout: float) -> subprocess.CompletedProcess | None:
@@ -165,8 +186,9 @@ def _via_bridge(slot: Path, source: Path, dest: Path, export: str, timeout: floa
     when it has none listening. A bridge that does not answer in time is a timeout."""
     import socket
 
-    path = slot / "uno.sock"
-    if not path.exists():
+    socket_path = _state(slot).get("socket")
+    path = Path(socket_path) if socket_path else None
+    if path is None or not path.exists():
         return None
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.settimeout(max(timeout, 0.01))
@@ -208,7 +230,7 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
     """The supervisor: run the slot's LibreOffice until it is used up, idle, or gone."""
     from tasks.engine.runner import _isolated, _limits
 
-    profile = slot / "profile"
+    profile, sock = _own_paths(slot, os.getpid())
     command = _isolated([engine.soffice(), "--headless", "--invisible", "--nologo", "--norestore", "--nodefault",
                          "--nolockcheck", f"-env:UserInstallation=file://{profile}",
                          f"--accept=pipe,name={pipe};urp;StarOffice.ComponentContext"])
@@ -216,11 +238,26 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
     # CPU is bounded per conversion by its wall clock; the instance's own CPU limit is its whole life's.
     office = subprocess.Popen(command, cwd=slot, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, preexec_fn=_limits(3600, memory_mb, output_mb))
-    (slot / "uno.sock").unlink(missing_ok=True)
-    bridge = subprocess.Popen([SYSTEM_PYTHON, str(CLIENT), "--serve", pipe, str(slot / "uno.sock")], cwd=slot,
+    bridge = subprocess.Popen([SYSTEM_PYTHON, str(CLIENT), "--serve", pipe, str(sock)], cwd=slot,
                               env={"PATH": "/usr/bin:/bin", "HOME": str(slot)}, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _write_state(slot, supervisor_pid=os.getpid(), soffice_pid=office.pid, bridge_pid=bridge.pid)
+    _write_state(slot, supervisor_pid=os.getpid(), soffice_pid=office.pid, bridge_pid=bridge.pid, socket=str(sock))
+
+    ended = []
+
+    def end() -> None:
+        if ended:
+            return  # a reaped pid may be reused: never signal it twice
+        ended.append(True)
+        for process in (office, bridge):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+        sock.unlink(missing_ok=True)
+        shutil.rmtree(profile, ignore_errors=True)
+
     try:
         while office.poll() is None:
             time.sleep(0.5)
@@ -229,36 +266,25 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
                 break  # the slot was restarted by someone else
             used_up = state.get("conversions", 0) >= recycle_after
             idle = time.time() - state.get("last_used", time.time()) > idle_s
-            if (used_up or idle) and _free(slot):
-                break
+            if (used_up or idle) and _retire(slot, pipe, end):
+                return
     finally:
-        for process in (office, bridge):
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            process.wait()
-        (slot / "uno.sock").unlink(missing_ok=True)
-        if _state(slot).get("pipe") == pipe:
-            (slot / "state.json").unlink(missing_ok=True)
-        shutil.rmtree(profile, ignore_errors=True)
+        end()
+        _retire(slot, pipe, lambda: None)
 
 
-def _free(slot: Path) -> bool:
-    """Retire the slot's instance if nobody is converting in it (its lock is free): under the lock,
-    LibreOffice is killed and the slot's state removed, so the next conversion starts a new one."""
+def _retire(slot: Path, pipe: str, end) -> bool:
+    """Retire the slot's instance if nobody is converting in it (its lock is free): under the lock
+    it is ended (`end`) and then the slot's state removed — last, so a slot without state has no
+    instance left — and the next conversion starts a new one."""
     with open(slot / "lock", "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False
-        pid = _state(slot).get("soffice_pid")
-        if pid:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        (slot / "state.json").unlink(missing_ok=True)
+            return False  # a conversion holds it; one that finds the instance gone restarts the slot
+        end()
+        if _state(slot).get("pipe") == pipe:
+            (slot / "state.json").unlink(missing_ok=True)
         return True
 
 

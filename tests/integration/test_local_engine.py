@@ -288,33 +288,34 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
     slot = root() / "warm" / "interactive" / "0"
     for lane_slot in (root() / "warm").glob("*/*"):
         warm.kill(lane_slot)  # instances of earlier tests were started with other settings
-    instances, bridges = [], []
+    instances, bridges, supervisors = [], [], []
     for index in range(3):
         path = tmp_path / f"memo-{index}.docx"
         path.write_bytes(documents.docx(f"Warm memo {index}", pages=2))
         adapter, job_id = convert(path, "pdf", lane="interactive")
         view = finished(adapter, job_id)
-        # Read at once: a used-up instance is retired as soon as it is free.
-        state = __import__("json").loads((slot / "state.json").read_text())
         assert view.status == "completed", view
         status = __import__("json").loads((root() / "jobs" / job_id / "status.json").read_text())
-        assert status["converter"] == "warm"
+        assert status["converter"] == "warm" and status["warm_instance"]["conversion"] == [1, 2, 1][index], status
         out = tmp_path / f"memo-{index}.pdf"
         adapter.fetch_result(job_id, out, target_format="pdf")
         assert pages(out) == 2
-        instances.append(state["soffice_pid"])
-        bridges.append(state["bridge_pid"])
+        instances.append(status["warm_instance"]["soffice_pid"])
+        bridges.append(status["warm_instance"]["bridge_pid"])
+        supervisors.append(status["warm_instance"]["supervisor_pid"])
         if index == 1:  # used up: the supervisor retires it once it is free
             deadline = time.monotonic() + 5
             while (slot / "state.json").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
     assert instances[0] == instances[1] != instances[2]
     # The UNO bridge lives with its instance: a conversion costs no Python start and no new connection.
-    assert bridges[0] == bridges[1] != bridges[2] and (slot / "uno.sock").exists()
+    assert bridges[0] == bridges[1] != bridges[2]
+    # The retired instance's profile and socket went with it.
+    assert not (slot / f"uno-{supervisors[0]}.sock").exists() and not (slot / f"profile-{supervisors[0]}").exists()
     deadline = time.monotonic() + 10  # idle: it ends by itself, its group and profile with it
     while (slot / "state.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not (slot / "state.json").exists() and not (slot / "profile").exists() and not (slot / "uno.sock").exists()
+    assert not (slot / "state.json").exists() and not list(slot.glob("profile-*")) and not list(slot.glob("uno-*.sock"))
     assert not Path(f"/proc/{bridges[2]}").exists() or b"uno_convert" not in Path(f"/proc/{bridges[2]}/cmdline").read_bytes()
     assert not Path(f"/proc/{instances[2]}").exists() or b"soffice" not in Path(f"/proc/{instances[2]}/cmdline").read_bytes()
 
