@@ -390,6 +390,12 @@ class Task(models.Model):
     abandoned_channels = models.JSONField(default=list, blank=True)
     reconcile_rounds = models.PositiveIntegerField(default=0, help_text="Reconciliation tries without an answer.")
     fetch_attempts = models.PositiveIntegerField(default=0, help_text="Failed downloads of the current result.")
+    billing_audit_due_at = models.DateTimeField(
+        null=True, blank=True, db_index=True,
+        help_text="The vendor is asked again then for every job of the operation: a duplicate audit that could "
+                  "not list them, or the follow-up after an ambiguous create (a create the vendor runs late).",
+    )
+    billing_audit_attempts = models.PositiveSmallIntegerField(default=0, help_text="Duplicate audits that failed in a row.")
     outage_since = models.DateTimeField(
         null=True, blank=True, help_text="Every channel failed this task's operation since then (not processed)."
     )

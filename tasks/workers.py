@@ -77,6 +77,13 @@ def run_vendor_job_cleanup(vendor_job_pk: int) -> str:
     return step_vendor_job_cleanup(int(vendor_job_pk))
 
 
+def run_billing_audit(task_id: str) -> str:
+    from tasks.services.execution import step_billing_audit
+
+    close_old_connections()
+    return step_billing_audit(task_id)
+
+
 def run_probe(channel_name: str) -> str:
     from tasks.services.execution import step_probe
 

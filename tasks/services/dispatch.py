@@ -108,7 +108,8 @@ def tick(*, now: datetime | None = None, full: bool = True) -> dict[str, int]:
     if full:
         counts.update(starts_resent=resend_lost_starts(now), probes=probe_open_breakers(now),
                       ledger_syncs=send_due_ledger_syncs(now), notifications=send_due_notifications(now),
-                      vendor_jobs=clean_up_vendor_jobs(now), history=history_rollup_due(now))
+                      vendor_jobs=clean_up_vendor_jobs(now), billing_audits=send_due_billing_audits(now),
+                      history=history_rollup_due(now))
     busy = {k: v for k, v in counts.items() if v and k != "history"}
     if busy:
         log_event("dispatch_tick", count=sum(busy.values()), reason=",".join(f"{k}={v}" for k, v in busy.items()))
@@ -456,6 +457,18 @@ def send_due_notifications(now: datetime) -> int:
     for pk in rows:
         if Notification.objects.filter(pk=pk, status=Notification.Status.PENDING).update(enqueued_at=now):
             send("tasks.workers.run_notification", pk, name=f"notify {pk}")
+            sent += 1
+    return sent
+
+
+def send_due_billing_audits(now: datetime) -> int:
+    """Duplicate audits due again (one that could not list the jobs, the follow-up after an
+    ambiguous create). Sending one moves it a resend window on, so a lost message is sent again."""
+    later = now + (now - resend_cutoff(now))
+    sent = 0
+    for pk in Task.objects.filter(billing_audit_due_at__lte=now).values_list("pk", flat=True)[:BATCH]:
+        if Task.objects.filter(pk=pk, billing_audit_due_at__lte=now).update(billing_audit_due_at=later):
+            send("tasks.workers.run_billing_audit", str(pk), name=f"billing audit {pk}")
             sent += 1
     return sent
 

@@ -92,3 +92,11 @@ def test_backoff_grows_with_attempts_under_full_jitter():
     early = [DECIDER.decide(failure_of(503), situation(channel_attempts=0), rng=rng).delay_s for _ in range(200)]
     late = [DECIDER.decide(failure_of(503), situation(channel_attempts=3), rng=rng).delay_s for _ in range(200)]
     assert max(early) <= 1.0 and max(late) <= 8.0 and sum(late) > 4 * sum(early)
+
+
+def test_a_failed_duplicate_audit_is_tried_again_later_and_later_then_left_to_the_ledger():
+    from tasks.services.execution.jobs import AUDIT_RETRY_S, audit_retry_delay_s
+
+    delays = [audit_retry_delay_s(n) for n in range(1, len(AUDIT_RETRY_S) + 2)]
+    assert delays[:-1] == sorted(delays[:-1]) and delays[0] > 0
+    assert delays[-1] is None and audit_retry_delay_s(0) is None

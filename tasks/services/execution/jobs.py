@@ -3,12 +3,17 @@ nobody wants any more, breaker probes."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 from django.utils import timezone
 
+from tasks import lifecycle, timescale
 from tasks.models import Task, VendorChannel, VendorJob
+from tasks.observability import log_event
 from tasks.scheduling.budgets import vendor_job_terminal
 from tasks.services.billing import task_billing_check
-from tasks.states import State
+from tasks.states import TERMINAL_STATES, State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure, Outcome
 from tasks.vendors.dialects import adapter_for
@@ -21,6 +26,18 @@ P = Task.Phase
 
 # A job that answers 404 this soon after we created it is "not visible yet", not gone.
 TRANSIENT_404_WINDOW_S = 30.0
+# A duplicate audit that could not list the operation's jobs is tried again after these delays
+# (nominal); after the last, the vendors' ledger sync is the check that remains.
+AUDIT_RETRY_S = (30.0, 120.0, 600.0, 1800.0, 3600.0)
+# An ambiguous create (its answer lost) may still be run by the vendor after our timeout, after the
+# resend and even after the result: the operation is audited again this long after it, once the
+# task has ended.
+AUDIT_FOLLOW_UP_S = 120.0
+
+
+def audit_retry_delay_s(failures: int) -> float | None:
+    """When an audit that failed `failures` times in a row is tried again; None: no more."""
+    return AUDIT_RETRY_S[failures - 1] if 1 <= failures <= len(AUDIT_RETRY_S) else None
 
 
 def operation_of(task: Task) -> Operation:
@@ -61,15 +78,17 @@ def job_failure(view: JobView) -> Failure:
                    message=view.error_message or f"the vendor job ended {view.status}", error_class="VendorJobFailed")
 
 
-def audit_duplicates(task: Task, channel: VendorChannel, vendor: VendorAdapter, *, keep_job_id: str) -> int:
+def audit_duplicates(task: Task, channel: VendorChannel, vendor: VendorAdapter, *, keep_job_id: str) -> int | None:
     """List the operation's jobs: more than one means the vendor ignored our key (or has none, or
-    double-created). The extras are recorded, reported and stopped."""
+    double-created). The extras are recorded, reported and stopped. Returns how many there were;
+    None when the vendor could not be asked, and then the audit is due again later."""
     if not task.vendor_client_ref or not vendor.capabilities.can_reconcile:
         return 0
     try:
         jobs = vendor.find_jobs(operation_of(task))
-    except VendorError:
-        return 0
+    except VendorError as err:
+        _audit_failed(task, err)
+        return None
     extras = [j for j in jobs if j.id != keep_job_id]
     if not extras:
         return 0
@@ -82,6 +101,51 @@ def audit_duplicates(task: Task, channel: VendorChannel, vendor: VendorAdapter, 
             cancel_vendor_job(record, vendor)
     task_billing_check(task.pk)
     return len(extras)
+
+
+def audit_again(task_id: Any, *, after_s: float) -> None:
+    """Have the operation audited again in `after_s` (nominal) or later: one pending audit serves
+    every reason, so it is never moved earlier than one already due."""
+    due = timezone.now() + timedelta(seconds=timescale.seconds(after_s))
+    Task.objects.filter(pk=task_id).exclude(billing_audit_due_at__gt=due).update(billing_audit_due_at=due)
+
+
+def _audit_failed(task: Task, err: VendorError) -> None:
+    failures = (Task.objects.filter(pk=task.pk).values_list("billing_audit_attempts", flat=True).first() or 0) + 1
+    delay = audit_retry_delay_s(failures)
+    Task.objects.filter(pk=task.pk).update(billing_audit_attempts=failures)
+    if delay is not None:
+        audit_again(task.pk, after_s=delay)
+        log_event("duplicate_audit_failed", task_id=task.pk, channel=task.channel_id, attempt=failures,
+                  decision=f"again_in_{int(delay)}s", reason=err.code)
+        return
+    Task.objects.filter(pk=task.pk).update(billing_audit_due_at=None, billing_audit_attempts=0)
+    lifecycle.record_event(task.pk, generation=task.generation, actor="billing",
+                           reason=f"the vendor could not list this operation's jobs after {failures} audits "
+                                  f"({err.code}); only its usage ledger can still show a duplicate",
+                           data={"client_ref": task.vendor_client_ref})
+
+
+def step_billing_audit(task_id: Any) -> str:
+    """A due audit of the task's operation: once the task has ended, every job the vendor holds
+    for it beyond the one kept is recorded, reported and stopped."""
+    task = Task.objects.select_related("channel", "vendor_job").filter(pk=task_id).first()
+    if task is None or task.billing_audit_due_at is None:
+        return "not_due"
+    if task.state not in TERMINAL_STATES:
+        audit_again(task.pk, after_s=AUDIT_FOLLOW_UP_S)  # the end's own audit runs first
+        return "waiting"
+    if task.channel is None or not task.vendor_client_ref:
+        Task.objects.filter(pk=task.pk).update(billing_audit_due_at=None, billing_audit_attempts=0)
+        return "nothing_to_audit"
+    keep = task.vendor_job.vendor_job_id if task.vendor_job and task.vendor_job.channel_id == task.channel_id else ""
+    # The task has ended: its calls are bounded by their own timeouts, not a deadline now past.
+    found = audit_duplicates(task, task.channel, adapter_for(task.channel, task_id=task.pk), keep_job_id=keep)
+    if found is None:
+        return "unreachable"
+    Task.objects.filter(pk=task.pk).update(billing_audit_due_at=None, billing_audit_attempts=0)
+    log_event("duplicate_audit", task_id=task.pk, channel=task.channel_id, count=found, decision="audited")
+    return f"audited:{found}"
 
 
 def cancel_vendor_job(job: VendorJob, vendor: VendorAdapter | None = None) -> str | None:

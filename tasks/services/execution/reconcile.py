@@ -20,7 +20,9 @@ from tasks.scheduling.budgets import JOB, UPLOAD, slots_release, vendor_job_term
 from tasks.services.billing import task_billing_check
 from tasks.services.execution.guard import leased
 from tasks.services.execution.jobs import (
+    AUDIT_FOLLOW_UP_S,
     TRANSIENT_404_WINDOW_S,
+    audit_again,
     audit_duplicates,
     cancel_vendor_job,
     job_failure,
@@ -59,6 +61,9 @@ def _reconcile(task: Task) -> str:
         return _reconciled_none(task, "no vendor operation was started")
     vendor = vendor_of(task)
     known = task.vendor_job
+    if vendor.capabilities.can_reconcile:
+        # Whatever this round finds, a create it does not see yet may still be run late.
+        audit_again(task.pk, after_s=AUDIT_FOLLOW_UP_S)
     if known is None and not vendor.capabilities.can_reconcile:
         return _hold_for_operator(task)
     known_missing = False
