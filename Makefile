@@ -9,7 +9,7 @@ PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-sqlite test-s3 test-distributed poc bench chaos install browser engine migrate clean
+.PHONY: run test test-sqlite test-s3 test-distributed poc bench chaos chaos-short netns install browser engine migrate clean
 
 poc: install
 	$(PY) manage.py poc run all
@@ -73,15 +73,26 @@ test-distributed: install
 	  echo "== PostgreSQL + Redis =="; \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS) && \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all && \
-	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all --dialect assemblyai; \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all --dialect assemblyai && \
+	  $(MAKE) --no-print-directory chaos-short; \
 	else echo "PostgreSQL or Redis not reachable on 127.0.0.1: distributed run skipped"; fi
 
 bench: install
 	$(PY) manage.py bench
 
 # Sluice on namespaced hosts under partitions, kills and vendor faults (root; docs/deployment.md).
-chaos: install
+chaos: install netns
 	$(PY) manage.py chaos --tasks 500 --minutes 15
+
+# The short run make test does: about 100 tasks, every fault kind at least once, about 2 minutes.
+chaos-short: install netns
+	@echo "== chaos: namespaced hosts, partitions, kills, vendor faults =="
+	$(PY) manage.py chaos --tasks 100 --minutes 5
+
+# Debian's iproute2, for the network namespaces of tasks/hosts.py.
+netns:
+	@command -v ip >/dev/null 2>&1 || { echo "installing Debian's iproute2 for the namespaced hosts"; \
+	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; }
 
 clean:
 	rm -rf var/test var/test-s3 .pytest_cache

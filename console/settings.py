@@ -99,6 +99,10 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Broker and cache: django-q2's ORM broker by default, Redis when REDIS_URL is set -------
 REDIS_URL = env("REDIS_URL", "")
+if REDIS_URL and "socket_timeout" not in REDIS_URL:
+    # A host cut from Redis must get an error in seconds, not wait on a silent connection for ever
+    # (the broker's blocking reads wait at most 1 s, well inside these).
+    REDIS_URL += ("&" if "?" in REDIS_URL else "?") + "socket_connect_timeout=3&socket_timeout=10"
 if REDIS_URL:
     CACHES = {
         "default": {

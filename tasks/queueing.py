@@ -3,6 +3,7 @@ for. A lost message is re-sent by the dispatcher; a duplicated one loses its com
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -15,6 +16,7 @@ from django_q.tasks import async_task
 
 from tasks import costs
 from tasks.models import Lane
+from tasks.observability import log_event
 
 _brokers: dict[tuple[int, str], Broker] = {}
 
@@ -31,11 +33,29 @@ def _broker(cluster: str) -> Broker:
     return _brokers[key]
 
 
-def send(func: str, *args: Any, cluster: str | None = None, name: str = "", timeout: int | None = None) -> None:
+def send(func: str, *args: Any, cluster: str | None = None, name: str = "", timeout: int | None = None) -> bool:
+    """Send a trigger. A broker that cannot be reached (Redis cut off, restarting) loses only the
+    trigger: the row already says what is due and the dispatcher sends it again, so this returns
+    False instead of failing the request or step that sent it. (The ORM broker's errors are the
+    database's own and propagate with its transaction.)"""
     cluster = cluster or control_cluster()
     options: dict[str, Any] = {"timeout": timeout} if timeout else {}
     costs.count("queue_messages")
-    async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100], **options)
+    try:
+        async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100], **options)
+    except _broker_errors() as exc:
+        log_event("queue_unreachable", logging.WARNING, operation=func, reason=type(exc).__name__,
+                  decision="the dispatcher sends it again")
+        return False
+    return True
+
+
+def _broker_errors() -> tuple[type[BaseException], ...]:
+    if "orm" in settings.Q_CLUSTER:
+        return ()
+    from redis.exceptions import RedisError
+
+    return (RedisError, OSError)
 
 
 def queue_backlog(cluster: str | None) -> int:

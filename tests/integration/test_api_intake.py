@@ -264,3 +264,34 @@ def test_the_document_is_generated_from_the_declarations_that_validate(client):
         assert variant["properties"]["target_format"]["enum"] == list(targets)  # the pairing, per kind
         assert variant["additionalProperties"] is False
     assert schemas["TaskOut"]["properties"]["state"]["enum"] == list(State.values)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_intake_answers_202_while_the_redis_broker_is_unreachable_and_the_dispatcher_sends_the_trigger_later(
+        api, settings, monkeypatch):
+    """A web host cut from Redis: the task is committed before the trigger is sent, so a broker
+    that cannot be reached costs the trigger only — never a 500 for an accepted task."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks import queueing
+    from tasks.services.dispatch import send_due_steps
+
+    dead = "redis://127.0.0.1:1/0?socket_connect_timeout=1&socket_timeout=1"  # nothing listens on port 1
+    broker = {k: v for k, v in settings.Q_CLUSTER.items() if k != "orm"}
+    settings.Q_CLUSTER = {**broker, "redis": dead}
+    monkeypatch.setattr("django_q.conf.Conf.REDIS", dead)
+    monkeypatch.setattr("django_q.conf.Conf.ORM", None)
+    monkeypatch.setattr("django_q.conf.Conf.BROKER_CLASS", None)
+    monkeypatch.setattr(queueing, "_brokers", {})
+    assert type(queueing._broker("sluice-probe")).__name__ == "Redis"
+    stored = upload(api, files.wav())
+    answer = submit(api, {"file_id": stored.json()["id"], "kind": "transcription", "target_format": "txt"})
+    assert answer.status_code == 202, answer.content
+    task = Task.objects.get(pk=answer.json()["id"])
+    assert task.state == "ACCEPTED" and task.enqueued_at is not None
+    # Still unreachable: the dispatcher's resend fails the same way and the task stays due.
+    later = timezone.now() + timedelta(hours=1)
+    send_due_steps(later)
+    assert Task.objects.get(pk=task.pk).state == "ACCEPTED"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -118,12 +119,16 @@ class Command(BaseCommand):
                           f"hosts {', '.join(result['hosts'])}")
         for fault in result["faults"]:
             self.stdout.write(f"  fault  {json.dumps(fault)}")
+        if result.get("faults_not_applied"):
+            self.stdout.write(f"  faults that never happened: {', '.join(result['faults_not_applied'])}")
         if result.get("restarts"):
             self.stdout.write(f"  worker processes restarted after exiting: {len(result['restarts'])}")
         for name in ("terminal", "lost", "undetected_duplicate_billing", "late_writes_attempted", "late_writes_accepted",
                      "budget_violations", "quota_violations", "digest_mismatches"):
             self.stdout.write(f"  {name:<30} {result[name]}")
         self.stdout.write(f"  by_state                       {result['by_state']}")
+        if result.get("not_succeeded"):
+            self.stdout.write(f"  not succeeded, why             {result['not_succeeded']}")
         self.stdout.write("PASSED" if result["passed"] else "FAILED")
 
     # --- the child: Sluice on the hosts, the load, the faults ------------------------------------------
@@ -174,7 +179,7 @@ class Command(BaseCommand):
                         continue
                     stack.processes.pop(process_name, None)
                     managed.log.close()
-                    log.append({"kind": "restart", "host": name, "process": process_name, "at_s": at()})
+                    restarts.append({"host": name, "process": process_name, "at_s": at()})
                     if process_name.endswith("-dispatcher"):
                         stack.start_dispatcher(process_name)
                     elif process_name.startswith("cluster-"):
@@ -188,49 +193,125 @@ class Command(BaseCommand):
 
         def kill_b(ctx) -> None:
             next_kill["at"] = time.monotonic() + 20
+            # At a moment it is working if one comes soon: a kill between steps tests less.
+            busy_by = time.monotonic() + 5
+            while not held_by("worker-b") and time.monotonic() < busy_by:
+                time.sleep(0.05)
             with processes_lock:
                 killing.add("worker-b")
+                caught = held_by("worker-b")
                 hosts["worker-b"].kill_all()
-            log.append({"kind": "sigkill", "host": "worker-b", "at_s": at()})
+            entry = {"kind": "sigkill", "host": "worker-b", "at_s": at(), "_start": time.time(), "_caught": caught}
             time.sleep(2)
             with processes_lock:
                 start_worker("worker-b")
                 killing.discard("worker-b")
+            entry["_end"] = time.time()  # its processes run again
+            log.append(entry)
+
+        applied: dict[str, threading.Event] = {}  # each host-level fault, set once it has ended
+
+        def fault(name: str, do):
+            applied[name] = threading.Event()
+
+            def run(ctx) -> None:
+                try:
+                    do()
+                finally:
+                    applied[name].set()
+            return run
 
         def partition(name: str, others: list[str], for_s: float):
-            def do(ctx) -> None:
-                entry = {"kind": "partition", "from": name, "to": others, "at_s": at(), "for_s": for_s}
+            def do() -> None:
+                entry = {"kind": "partition", "from": name, "to": others, "at_s": at(), "for_s": for_s,
+                         "_start": time.time(), "_caught": held_by(name) if name.startswith("worker") else None}
                 hosts.partition(name, others)
                 time.sleep(for_s)
                 hosts.heal(name)
-                entry["healed_at_s"] = at()
+                entry["healed_at_s"], entry["_end"] = at(), time.time()
                 log.append(entry)
             return do
 
-        def stall_store(ctx) -> None:
-            pids = subprocess.run(["ip", "netns", "pids", hosts["store"].namespace], capture_output=True,
-                                  text=True).stdout.split()
-            entry = {"kind": "stall", "host": "store", "at_s": at(), "for_s": 8}
+        def stall_store() -> None:
+            pids = namespace_pids("store")
+            from tasks.models import Task
+
+            running = [str(pk) for pk in Task.objects.filter(state="RUNNING").values_list("pk", flat=True)]
+            entry = {"kind": "stall", "host": "store", "at_s": at(), "for_s": 8, "_start": time.time(), "_caught": running}
             for pid in pids:
-                os.kill(int(pid), signal.SIGSTOP)
+                os.kill(pid, signal.SIGSTOP)
             time.sleep(8)
             for pid in pids:
-                os.kill(int(pid), signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
+            entry["_end"] = time.time()
             log.append(entry)
 
+        def namespace_pids(name: str) -> list[int]:
+            out = subprocess.run(["ip", "netns", "pids", hosts[name].namespace], capture_output=True, text=True).stdout
+            return [int(pid) for pid in out.split()]
+
+        checked: dict[str, float] = {}
+
+        def held_by(name: str) -> list[str]:
+            """The tasks whose lease a process of this host holds now."""
+            from tasks.models import Task
+
+            owners = [f"{socket.gethostname()}:{pid}" for pid in namespace_pids(name)]
+            return [str(pk) for pk in Task.objects.filter(lease_owner__in=owners, lease_expires_at__isnull=False)
+                    .values_list("pk", flat=True)]
+
+        def leases_held(name: str, *phases: str) -> bool:
+            """Whether a process of this host holds a task's lease (in one of these phases); asked
+            at most four times a second per question."""
+            from tasks.models import Task
+
+            key = f"{name}:{phases}"
+            if time.monotonic() - checked.get(key, 0.0) < 0.25:
+                return False
+            checked[key] = time.monotonic()
+            owners = [f"{socket.gethostname()}:{pid}" for pid in namespace_pids(name)]
+            held = Task.objects.filter(lease_owner__in=owners, lease_expires_at__isnull=False)
+            return (held.filter(phase__in=phases) if phases else held).exists()
+
+        def terminal_share(ctx) -> float:
+            from tasks.models import Task
+
+            return Task.objects.filter(state__in=TERMINAL).count() / max(tasks, 1)
+
+        cut_vendor = fault("worker-a from the vendor", partition("worker-a", ["vendor"], 10))
+        cut_db = fault("worker-a from db and redis", partition("worker-a", ["db", "redis"], 30))
+        cut_web = fault("web from redis", partition("web", ["redis"], 15))
+        stall = fault("store stalled", stall_store)
+
+        def all_faults_applied(ctx) -> None:
+            """Before the tail's tasks: every host fault has happened and healed (or the budget ran out),
+            so the run ends only after late writes could be attempted and healed hosts worked again."""
+            deadline = time.monotonic() + options["minutes"] * 60
+            for event in applied.values():
+                event.wait(max(deadline - time.monotonic(), 0))
+
         nominal = 1 / TIME_SCALE
+        tail = max(tasks // 10, 1)
         scenario = Scenario(
             name="chaos", summary="hosts partitioned and killed under vendor faults",
-            workload=[Submit(share=0.8), Submit(share=0.2, priority="batch")],
+            workload=[Submit(share=0.8), Submit(share=0.2, priority="batch"), Submit(count=tail, phase="tail")],
+            phases=("main", "tail"),
             tasks=tasks, time_scale=TIME_SCALE, budget_s=options["minutes"] * 60 * nominal,
             faults=vendor_faults(FAULT_RATE),
             vendor_channels={name: {"processing_ms": 1500, "queue_ms": 100} for name in ("primary", "fallback")},
             actions=[
                 Action("kill worker-b every 20 s", kill_b, when=kill_due, repeat=True),
-                Action("cut worker-a from db and redis", partition("worker-a", ["db", "redis"], 30), at_s=8 * nominal),
-                Action("cut web from redis", partition("web", ["redis"], 15), at_s=45 * nominal),
-                Action("cut worker-a from the vendor", partition("worker-a", ["vendor"], 10), at_s=65 * nominal),
-                Action("stall the object store", stall_store, at_s=80 * nominal),
+                # Intake while the web host cannot reach Redis: it must still answer 202, durably.
+                Action("cut web from redis", cut_web, at_s=0),
+                # Mid-upload or mid-create: the ambiguous calls are reconciled.
+                Action("cut worker-a from the vendor", cut_vendor,
+                       when=lambda ctx: leases_held("worker-a", "upload", "create")),
+                # While it holds leases, once it reaches the vendor again: they expire, worker-b takes
+                # over, and every write worker-a attempts after healing is refused by fencing.
+                Action("cut worker-a from db and redis", cut_db,
+                       when=lambda ctx: applied["worker-a from the vendor"].is_set() and leases_held("worker-a")),
+                Action("stall the object store", stall, when=lambda ctx: terminal_share(ctx) >= 0.2),
+                Action("wait for every host fault", all_faults_applied, before_phase="tail"),
             ],
             checks=[C.exactly_one_terminal_state, C.slots_all_released],
         )
@@ -255,12 +336,18 @@ class Command(BaseCommand):
                     host.stack.stop_all()
         result = chaos_report(report, log, hosts=list(hosts.hosts), seed=seed, tasks=tasks, wall_s=at())
         result["restarts"] = restarts
+        result["faults_not_applied"] = sorted(name for name, event in applied.items() if not event.is_set())
+        if not any(f["kind"] == "sigkill" for f in log):
+            result["faults_not_applied"].append("kill worker-b")
+        result["passed"] = result["passed"] and not result["faults_not_applied"]
         (run_dir / "report.json").write_text(json.dumps(result))
 
 
 def chaos_report(report: dict[str, Any], faults: list[dict[str, Any]], *, hosts: list[str], seed: int, tasks: int,
                  wall_s: float) -> dict[str, Any]:
     """The POC report of the run as shared/contracts/chaos.md has it."""
+    from django.db.models import Count
+
     from tasks.models import Attempt, Task, TaskEvent
 
     observed = {r["name"]: r for r in report["invariants"]}
@@ -269,6 +356,9 @@ def chaos_report(report: dict[str, Any], faults: list[dict[str, Any]], *, hosts:
         value = observed.get(name, {}).get("observed", 0)
         return value if isinstance(value, int) else len(value or [])
 
+    history = list(TaskEvent.objects.exclude(to_state="").values_list("task_id", "to_state", "at"))
+    events = [(str(task_id), state, at.timestamp()) for task_id, state, at in history]
+    faults = [{**{k: v for k, v in f.items() if not k.startswith("_")}, **recovery(f, events)} for f in faults]
     states = report["metrics"].get("states", {})
     terminal = sum(n for s, n in states.items() if s in ("SUCCEEDED", "FAILED", "EXPIRED", "CANCELLED"))
     attempted = (Attempt.objects.filter(outcome=Attempt.Outcome.FENCED).count()
@@ -277,6 +367,9 @@ def chaos_report(report: dict[str, Any], faults: list[dict[str, Any]], *, hosts:
         "seed": seed, "tasks": tasks, "wall_s": wall_s, "hosts": hosts,
         "faults": [*faults, {"kind": "vendor", "rate": FAULT_RATE}],
         "terminal": terminal, "by_state": states,
+        # Why the tasks that did not succeed ended as they did (a deadline, a vendor refusal...).
+        "not_succeeded": {f"{state} {code or '-'}": n for state, code, n in Task.objects.exclude(state="SUCCEEDED")
+                          .values_list("state", "error_code").annotate(n=Count("pk")).order_by("state", "error_code")},
         "lost": count("lost_tasks"), "undetected_duplicate_billing": count("undetected_duplicate_billing"),
         "late_writes_attempted": attempted, "late_writes_accepted": count("late_writes_accepted"),
         "budget_violations": count("budget_violations"), "quota_violations": 0,
@@ -291,6 +384,34 @@ def chaos_report(report: dict[str, Any], faults: list[dict[str, Any]], *, hosts:
         "lost", "undetected_duplicate_billing", "late_writes_accepted", "budget_violations", "quota_violations",
         "digest_mismatches")) and (attempted > 0 or not partitioned))
     return result
+
+
+TERMINAL = ("SUCCEEDED", "FAILED", "EXPIRED", "CANCELLED")
+def recovery(fault: dict[str, Any], events: list[tuple[str, str, float]]) -> dict[str, Any]:
+    """The tasks a fault caught and how long after it they moved on: those whose lease the host
+    held (a kill, a worker's partition), those running when the store stalled, those accepted
+    while the web host was cut off (their first trigger lost)."""
+    if "_start" not in fault:
+        return {}
+    start, end = fault["_start"], fault["_end"]
+    if fault.get("_caught") is not None:
+        caught = {task_id: start for task_id in fault["_caught"]}
+    else:
+        caught = {task_id: at_s for task_id, state, at_s in events if state == "ACCEPTED" and start <= at_s <= end}
+    return {"tasks_caught": len(caught), "recovered_after_s": recovery_after_s(end, caught, events)}
+
+
+def recovery_after_s(end: float, caught: dict[str, float], events: list[tuple[str, str, float]]) -> float | None:
+    """Seconds from a fault's end until every task it caught (each from the moment it was caught)
+    had changed state again — 0 when all did during the fault (another host took over) — or
+    None when one never did."""
+    moved: dict[str, float] = {}
+    for task_id, _state, at_s in sorted(events, key=lambda e: e[2]):
+        if task_id in caught and task_id not in moved and at_s > caught[task_id]:
+            moved[task_id] = at_s
+    if any(task_id not in moved for task_id in caught):
+        return None
+    return round(max([moved[t] - end for t in caught] + [0.0]), 1)
 
 
 def argparse_suppress() -> str:
