@@ -63,15 +63,15 @@ def queue_backlog(cluster: str | None) -> int:
     return _broker(cluster or control_cluster()).queue_size() or 0
 
 
-def send_step(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> None:
+def send_step(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> bool:
     """Ask a worker of `lane` (or the control cluster) to run `step` for the task at `generation`.
 
     The message carries the step's own django-q2 timeout: the lane's execution timeout now plus a
     grace. A step that outlives it (a vendor dribbling its answer past every read timeout) is
     killed and its worker replaced, after the watchdog has fenced the attempt."""
     timeout = step_timeout_s(lane) if lane else None
-    send("tasks.workers.run_step", step, str(task_id), generation, cluster=lane, name=f"{step} {task_id}",
-         timeout=timeout)
+    return send("tasks.workers.run_step", step, str(task_id), generation, cluster=lane, name=f"{step} {task_id}",
+                timeout=timeout)
 
 
 _lane_timeouts: dict[str, tuple[float, int]] = {}
@@ -104,4 +104,13 @@ def send_step_on_commit(step: str, task_id: Any, generation: int, *, lane: str |
     if "orm" in settings.Q_CLUSTER and not Conf.SYNC and transaction.get_connection().in_atomic_block:
         send_step(step, task_id, generation, lane=lane)
         return
-    transaction.on_commit(lambda: send_step(step, task_id, generation, lane=lane))
+    transaction.on_commit(lambda: _send_or_leave_to_dispatcher(step, task_id, generation, lane=lane))
+
+
+def _send_or_leave_to_dispatcher(step: str, task_id: Any, generation: int, *, lane: str | None) -> None:
+    """A trigger this process could not send is marked unsent, so a dispatcher that reaches the
+    broker sends it on its next pass instead of waiting out the lost-message delay."""
+    if not send_step(step, task_id, generation, lane=lane):
+        from tasks.models import Task
+
+        Task.objects.filter(pk=task_id, generation=generation).update(enqueued_at=None)
