@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django import db
 from django.core.exceptions import (
     BadRequest,
     PermissionDenied,
@@ -112,5 +113,13 @@ class ProblemJsonMiddleware:
             return problem(413, "payload_too_large", "The request body is larger than this endpoint accepts.")
         if isinstance(exception, DJANGO_CLIENT_ERRORS):
             return None  # Django answers these 400/403/404; __call__ turns them into problem+json
+        if isinstance(exception, db.OperationalError | db.InterfaceError):
+            # The database cannot be reached (down, failing over, cut off): nothing was accepted.
+            log_event("api_error", logging.ERROR, exception=exception, operation=request.method,
+                      reason="database_unavailable")
+            answer = problem(503, "database_unavailable",
+                             "Sluice cannot reach its database; nothing was accepted. Retry shortly.")
+            answer["Retry-After"] = "5"
+            return answer
         log_event("api_error", logging.ERROR, exception=exception, operation=request.method)
         return problem(500, "internal_error", "Something went wrong on our side; nothing you sent was lost. Retry later.")

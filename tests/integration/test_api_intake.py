@@ -295,3 +295,24 @@ def test_intake_answers_202_while_the_redis_broker_is_unreachable_and_the_dispat
     # This one cannot either: its send fails the same way, nothing raises, the task stays due.
     assert send_due_steps(timezone.now() + timedelta(seconds=1)) == 1
     assert Task.objects.get(pk=task.pk).state == "ACCEPTED"
+
+
+def test_a_database_that_cannot_be_reached_is_a_503_problem_and_nothing_is_accepted(api, monkeypatch):
+    from django.db import OperationalError
+
+    from tasks.services import intake
+
+    stored = upload(api, files.wav())
+
+    def unreachable(**kwargs):
+        raise OperationalError("connection to server at 10.0.0.5, port 5432 failed: timeout expired")
+
+    monkeypatch.setattr(intake, "_accept", unreachable)
+    answer = submit(api, {"file_id": stored.json()["id"], "kind": "transcription", "target_format": "txt"}, key="k-db")
+    assert answer.status_code == 503 and answer.json()["code"] == "database_unavailable", answer.content
+    assert answer["Retry-After"] and "10.0.0.5" not in answer.content.decode()
+    assert not Task.objects.exists()
+    monkeypatch.undo()  # the database is back: the same submission, same key, is accepted
+    again = submit(api, {"file_id": stored.json()["id"], "kind": "transcription", "target_format": "txt"}, key="k-db")
+    assert again.status_code == 202, again.content
+    assert Task.objects.count() == 1
