@@ -267,6 +267,25 @@ def result_exists(relative: str) -> bool:
                                  retry_after=5) from None
 
 
+def stored_results(task_id: object | None = None) -> Iterator[tuple[str, float]]:
+    """Every kept result (of one task, or all) as (relative name, last modified in epoch seconds):
+    the bucket's objects when there is one, else the files under RESULTS_DIR."""
+    store = bucket_storage()
+    if store is None:
+        root = Path(settings.RESULTS_DIR)
+        for path in root.glob(f"{task_id}/*" if task_id is not None else "*/*") if root.exists() else ():
+            if path.is_file():
+                yield str(path.relative_to(root)), path.stat().st_mtime
+        return
+    base = f"{store.location.strip('/')}/results/" if store.location else "results/"
+    try:
+        for item in store.bucket.objects.filter(Prefix=base + (f"{task_id}/" if task_id is not None else "")):
+            yield item.key[len(base):], item.last_modified.timestamp()
+    except _client_errors() as exc:
+        raise StorageUnavailable(f"The object store did not answer ({type(exc).__name__}); try again.",
+                                 retry_after=5) from None
+
+
 def result_link(relative: str, *, filename: str, content_type: str) -> str | None:
     """A pre-signed link to the result in the bucket (None for local files: they are streamed)."""
     store = bucket_storage()

@@ -13,7 +13,7 @@ from tasks.models import BreakerTransition, Quarantine, VendorCall
 from tasks.poc.evidence import Evidence
 from tasks.poc.model import Result
 from tasks.states import TERMINAL_STATES, State
-from tasks.storage import result_file
+from tasks.storage import result_exists, stored_results
 
 
 # --- every scenario ---------------------------------------------------------------------------------
@@ -377,13 +377,12 @@ def executions_never_overlap(ev: Evidence) -> Result:
 
 
 def no_orphaned_results(ev: Evidence) -> Result:
-    from django.conf import settings
-
-    root = Path(settings.RESULTS_DIR)
+    """Every kept result (in the bucket, or under RESULTS_DIR) belongs to its task, and every task's
+    result is there."""
     published = {t.result_path for t in ev.tasks.values() if t.result_path}
-    on_disk = {str(p.relative_to(root)) for tid in ev.tasks for p in (root / tid).glob("*")} if root.exists() else set()
-    orphans = on_disk - published
-    missing = [p for p in published if not result_file(p).exists()]
+    kept = {name for tid in ev.tasks for name, _ in stored_results(tid)}
+    orphans = kept - published
+    missing = [p for p in published if not result_exists(p)]
     return Result("orphaned_result_files", not orphans and not missing, len(orphans), "== 0", f"missing {len(missing)}" if missing else "")
 
 
@@ -515,11 +514,8 @@ def race_exercised(ev: Evidence) -> Result:
 
 
 def cancelled_leave_no_result(ev: Evidence) -> Result:
-    from django.conf import settings
-
-    root = Path(settings.RESULTS_DIR)
     traces = [str(t.pk) for t in ev.tasks.values()
-              if t.state == State.CANCELLED and (t.result_path or (root / str(t.pk)).exists() and any((root / str(t.pk)).iterdir()))]
+              if t.state == State.CANCELLED and (t.result_path or next(stored_results(t.pk), None))]
     return Result("cancelled_tasks_left_no_result", not traces, len(traces), "== 0")
 
 

@@ -13,7 +13,7 @@ from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine,
 from tasks.services.billing import billing_reconcile
 from tasks.services.quarantine import poison_reevaluate, quarantine_expire
 from tasks.states import TERMINAL_STATES, State
-from tasks.storage import delete_stored, discard_result
+from tasks.storage import bucket_storage, delete_stored, discard_result, stored_results
 
 IDEMPOTENCY_KEEP_S = 48 * 3600
 
@@ -93,19 +93,22 @@ def purge_dead_letters() -> int:
 
 
 def remove_orphan_results(*, older_than_s: float = 3600) -> int:
-    """Result files no task references (a fenced attempt's late output) are removed. (With a
-    bucket, results are put there only for an attempt about to publish, and a late one's is
-    deleted at once; the local scratch directory is swept the same way.)"""
-    root = Path(settings.RESULTS_DIR)
-    if not root.exists():
-        return 0
+    """Results no task references (a fenced attempt's late output, one stored by a worker that died
+    before it could publish it) are removed once they are an hour old (nominal): in the bucket when
+    there is one, and the local scratch copies under RESULTS_DIR in either mode."""
     cutoff = timezone.now().timestamp() - timescale.seconds(older_than_s)
     referenced = set(Task.objects.exclude(result_path="").values_list("result_path", flat=True))
     removed = 0
-    for path in root.glob("*/*"):
+    if bucket_storage() is not None:
+        for relative, modified in list(stored_results()):
+            if relative not in referenced and modified < cutoff:
+                discard_result(relative)
+                removed += 1
+    root = Path(settings.RESULTS_DIR)
+    for path in root.glob("*/*") if root.exists() else ():
         relative = str(path.relative_to(root))
-        if relative not in referenced and path.stat().st_mtime < cutoff:
-            path.unlink(missing_ok=True)
+        if path.is_file() and (bucket_storage() is not None or relative not in referenced) and path.stat().st_mtime < cutoff:
+            path.unlink(missing_ok=True)  # with a bucket, every local result is a scratch copy
             removed += 1
     return removed
 

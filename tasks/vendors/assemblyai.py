@@ -112,6 +112,9 @@ class AssemblyAIAdapter:
         return self.http.call("cancel_job", "DELETE", f"/v2/transcript/{job_id}",
                               parse=lambda response: transcript_view(json_object(response)))
 
+    def release(self, job_id: str) -> None:
+        return None  # a transcript is deleted only by an explicit cancel of an unwanted job
+
     def fetch_result(self, job_id: str, dest: Path, *, target_format: str) -> FetchedResult:
         timeout = self.http.timeout(self.http.timeouts.result_s)
         if target_format in SUBTITLES:

@@ -308,6 +308,20 @@ class AWSTranscribeAdapter:
         dest.write_bytes(payload)
         return FetchedResult(sha256=hashlib.sha256(payload).hexdigest(), size=len(payload), content_type=content_type)
 
+    def release(self, job_id: str) -> None:
+        """Delete the job's media and transcript objects; the job itself stays (AWS keeps it 90
+        days), so its name still refuses a late second start of the same operation."""
+        job = self.get_job(job_id)
+        s3 = self._client("s3")
+        base = self._output_key(job_id).removesuffix(".json")
+        objects = [(self.output_bucket, f"{base}.{ext}") for ext in ("json", *SUBTITLES)]
+        media = urlsplit(job.natural_key)
+        if media.scheme == "s3" and media.netloc == self.media_bucket and media.path.lstrip("/").startswith(
+                f"{self.prefix}media/"):  # only the media Sluice uploaded
+            objects.append((self.media_bucket, media.path.lstrip("/")))
+        for bucket, key in objects:
+            self._call("release", lambda bucket=bucket, key=key: s3.delete_object(Bucket=bucket, Key=key))
+
     def list_billing(self, *, cursor: str | None, limit: int) -> BillingPage:
         raise VendorError(Row(Outcome.REFUSED, False, "AWS Transcribe publishes no usage ledger (see AWS billing)"),
                           operation="usage", code="no_usage_ledger")

@@ -185,6 +185,9 @@ class LocalEngineAdapter:
             shutil.rmtree(job_dir / "tmp", ignore_errors=True)
         return self._view(job_id)
 
+    def release(self, job_id: str) -> None:
+        return None  # the engine's job directories follow its own retention
+
     def fetch_result(self, job_id: str, dest: Path, *, target_format: str) -> FetchedResult:
         job_dir = self._dir(job_id, "fetch_result")
         status = _status(job_dir)

@@ -179,6 +179,9 @@ class MemoryAdapter:
 
         return self.vendor._run("cancel_job", work)
 
+    def release(self, job_id: str) -> None:
+        return None  # nothing is kept outside this process
+
     def fetch_result(self, job_id: str, dest: Path, *, target_format: str) -> FetchedResult:
         def work() -> FetchedResult:
             data = self.vendor.jobs[job_id]["result"]

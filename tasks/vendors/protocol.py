@@ -156,6 +156,11 @@ class VendorAdapter(Protocol):
     def fetch_result(self, job_id: str, dest: Path, *, target_format: str) -> FetchedResult:
         """Write the completed job's result to `dest`, streamed and hashed as it arrives."""
 
+    def release(self, job_id: str) -> None:
+        """The job's result is kept by Sluice now: delete the vendor's copies of its data (uploaded
+        media, result files) where they are ours to delete. Best effort; a job record the vendor
+        uses to refuse a second create of the operation stays."""
+
     def list_billing(self, *, cursor: str | None, limit: int) -> BillingPage:
         """One page of the vendor's usage ledger (only where `capabilities.billing_ledger`)."""
 

@@ -106,6 +106,9 @@ class SluiceAdapter:
     def cancel_job(self, job_id: str) -> JobView:
         return self.http.call("cancel_job", "POST", f"/v1/jobs/{job_id}/cancel", parse=_job)
 
+    def release(self, job_id: str) -> None:
+        return None  # the native contract keeps a job's data under the vendor's own retention
+
     def fetch_result(self, job_id: str, dest: Path, *, target_format: str) -> FetchedResult:
         """Stream a result to `dest`, hashing as it arrives; memory does not grow with size."""
         return self.http.call(

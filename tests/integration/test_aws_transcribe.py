@@ -94,8 +94,13 @@ def test_a_task_on_an_aws_transcribe_channel_succeeds_with_its_transcript(aws, a
     assert task.state == "SUCCEEDED", (task.error_code, task.error_message)
     job = VendorJob.objects.get(task=task)
     assert aws.jobs() == [job.vendor_job_id], "exactly one transcription job, named after the operation"
-    media = aws.s3.list_objects_v2(Bucket=MEDIA)["Contents"]
-    assert len(media) == 1 and media[0]["Key"].startswith("t/media/")
+    record = aws.transcribe.get_transcription_job(TranscriptionJobName=job.vendor_job_id)["TranscriptionJob"]
+    assert record["Media"]["MediaFileUri"].startswith(f"s3://{MEDIA}/t/media/")
+    # The result is Sluice's now: the media and transcript objects are deleted, the job stays (its
+    # name keeps refusing a late second start of the operation).
+    assert aws.s3.list_objects_v2(Bucket=MEDIA).get("KeyCount") == 0
+    assert aws.s3.list_objects_v2(Bucket=OUTPUT).get("KeyCount") == 0
+    assert VendorCall.objects.filter(task=task, operation="release", outcome="ok").count() >= 3
     answer = api.get(f"/api/v1/tasks/{task.pk}/result")
     body = b"".join(answer.streaming_content) if answer.streaming else answer.content
     expected = aws.written[job.vendor_job_id]

@@ -138,12 +138,20 @@ def test_an_expiring_signed_link_downloads_the_result_and_a_tampered_one_does_no
 
 
 def test_results_past_retention_and_orphaned_outputs_are_swept(inline_queue, api):
+    from django.core.files.base import ContentFile
+
     from tasks.services.housekeeping import expire_results, remove_orphan_results
+    from tasks.storage import bucket_storage, stored_results
 
     task = run_until(submit_file(api))
     orphan = result_file(f"{task.pk}/g99-orphan.out")
+    orphan.parent.mkdir(parents=True, exist_ok=True)
     orphan.write_bytes(b"left by a fenced attempt")
+    if bucket_storage() is not None:  # one stored by a worker that died before publishing it
+        bucket_storage().save(f"results/{task.pk}/g98-orphan.out", ContentFile(b"never published"))
+        assert sorted(name for name, _ in stored_results(task.pk)) == sorted([task.result_path, f"{task.pk}/g98-orphan.out"])
     assert remove_orphan_results(older_than_s=0) >= 1 and not orphan.exists()
+    assert [name for name, _ in stored_results(task.pk)] == [task.result_path]
     assert result_exists(task.result_path)
     Task.objects.filter(pk=task.pk).update(finished_at=timezone.now() - timedelta(days=400))
     assert expire_results() == 1

@@ -187,6 +187,10 @@ def _fetch(task: Task) -> str:
             Task.objects.filter(pk=task.pk, state=S.CANCEL_REQUESTED).update(due_at=timezone.now())
         return "discarded"
     task_billing_check(task.pk)
+    try:
+        vendor.release(job.vendor_job_id)  # the result is ours now: the vendor's copies can go
+    except VendorError as err:
+        log_event("vendor_release_failed", task_id=task.pk, channel=task.channel_id, reason=err.code)
     return "succeeded"
 
 
