@@ -41,13 +41,21 @@ def send(func: str, *args: Any, cluster: str | None = None, name: str = "", time
     cluster = cluster or control_cluster()
     options: dict[str, Any] = {"timeout": timeout} if timeout else {}
     costs.count("queue_messages")
+    if time.monotonic() < _unreachable_until.get((os.getpid(), cluster), 0.0):
+        return False  # it just failed: the next sends do not each wait out a timeout
     try:
         async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100], **options)
     except _broker_errors() as exc:
+        _unreachable_until[(os.getpid(), cluster)] = time.monotonic() + BROKER_RETRY_S
         log_event("queue_unreachable", logging.WARNING, operation=func, reason=type(exc).__name__,
                   decision="the dispatcher sends it again")
         return False
     return True
+
+
+# After a failed send, this process sends nothing to that broker for this long (real seconds).
+BROKER_RETRY_S = 2.0
+_unreachable_until: dict[tuple[int, str], float] = {}
 
 
 def _broker_errors() -> tuple[type[BaseException], ...]:
@@ -111,6 +119,11 @@ def _send_or_leave_to_dispatcher(step: str, task_id: Any, generation: int, *, la
     """A trigger this process could not send is marked unsent, so a dispatcher that reaches the
     broker sends it on its next pass instead of waiting out the lost-message delay."""
     if not send_step(step, task_id, generation, lane=lane):
+        from django.db import DatabaseError
+
         from tasks.models import Task
 
-        Task.objects.filter(pk=task_id, generation=generation).update(enqueued_at=None)
+        try:
+            Task.objects.filter(pk=task_id, generation=generation).update(enqueued_at=None)
+        except DatabaseError:
+            pass  # committed already: the dispatcher resends it after the lost-message delay

@@ -114,11 +114,12 @@ class ProblemJsonMiddleware:
         if isinstance(exception, DJANGO_CLIENT_ERRORS):
             return None  # Django answers these 400/403/404; __call__ turns them into problem+json
         if isinstance(exception, db.OperationalError | db.InterfaceError):
-            # The database cannot be reached (down, failing over, cut off): nothing was accepted.
+            # The database cannot be reached (down, failing over, cut off, locked).
             log_event("api_error", logging.ERROR, exception=exception, operation=request.method,
                       reason="database_unavailable")
             answer = problem(503, "database_unavailable",
-                             "Sluice cannot reach its database; nothing was accepted. Retry shortly.")
+                             "Sluice could not reach its database. Retry shortly with the same Idempotency-Key: "
+                             "if this request was accepted after all, you get its task, never a second one.")
             answer["Retry-After"] = "5"
             return answer
         log_event("api_error", logging.ERROR, exception=exception, operation=request.method)
