@@ -252,8 +252,11 @@ def discard_result(relative: str) -> None:
     store = bucket_storage()
     if store is None:
         result_file(relative).unlink(missing_ok=True)
-    else:
+        return
+    try:
         store.delete(f"results/{relative}")
+    except _client_errors() as exc:
+        raise StorageUnavailable(f"the object store did not delete the result: {type(exc).__name__}") from None
 
 
 def result_exists(relative: str) -> bool:

@@ -13,7 +13,13 @@ from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine,
 from tasks.services.billing import billing_reconcile
 from tasks.services.quarantine import poison_reevaluate, quarantine_expire
 from tasks.states import TERMINAL_STATES, State
-from tasks.storage import bucket_storage, delete_stored, discard_result, stored_results
+from tasks.storage import (
+    StorageUnavailable,
+    bucket_storage,
+    delete_stored,
+    discard_result,
+    stored_results,
+)
 
 IDEMPOTENCY_KEEP_S = 48 * 3600
 
@@ -100,10 +106,13 @@ def remove_orphan_results(*, older_than_s: float = 3600) -> int:
     referenced = set(Task.objects.exclude(result_path="").values_list("result_path", flat=True))
     removed = 0
     if bucket_storage() is not None:
-        for relative, modified in list(stored_results()):
-            if relative not in referenced and modified < cutoff:
-                discard_result(relative)
-                removed += 1
+        try:
+            for relative, modified in stored_results():
+                if relative not in referenced and modified < cutoff:
+                    discard_result(relative)
+                    removed += 1
+        except StorageUnavailable:
+            pass  # the store did not answer: the next sweep goes on (the other sweeps still run)
     root = Path(settings.RESULTS_DIR)
     for path in root.glob("*/*") if root.exists() else ():
         relative = str(path.relative_to(root))
@@ -119,7 +128,10 @@ def expire_results() -> int:
     now = timezone.now()
     for task in Task.objects.filter(state=State.SUCCEEDED).exclude(result_path="").select_related("tenant").iterator():
         if task.finished_at and task.finished_at < now - timescale.delta(task.tenant.result_retention_days * 86400):
-            discard_result(task.result_path)
+            try:
+                discard_result(task.result_path)
+            except StorageUnavailable:
+                break  # the store did not answer: the next sweep goes on from here
             Task.objects.filter(pk=task.pk).update(result_path="")
             removed += 1
     return removed

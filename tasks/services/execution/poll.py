@@ -176,7 +176,10 @@ def _fetch(task: Task) -> str:
     if moved is None:
         # Someone else moved the task first (a cancel, a fence): this late result is discarded.
         dest.unlink(missing_ok=True)
-        discard_result(relative)
+        try:
+            discard_result(relative)
+        except StorageUnavailable:
+            pass  # unreferenced: the orphan sweep removes it once the store answers
         current = Task.objects.filter(pk=task.pk).values_list("state", "generation").first()
         lifecycle.record_event(
             task.pk, generation=current[1] if current else g, actor=actor(),
