@@ -16,7 +16,7 @@ from tasks.services.billing import task_billing_check
 from tasks.states import TERMINAL_STATES, State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure, Outcome
-from tasks.vendors.dialects import adapter_for
+from tasks.vendors.dialects import adapter_for, capabilities_for
 from tasks.vendors.errors import VendorError
 from tasks.vendors.protocol import JobView, Operation, VendorAdapter
 
@@ -87,8 +87,10 @@ def audit_duplicates(task: Task, channel: VendorChannel, vendor: VendorAdapter, 
     try:
         jobs = vendor.find_jobs(operation_of(task))
     except VendorError as err:
-        _audit_failed(task, err)
+        _audit_failed(task, err.code or "vendor_error")
         return None
+    if task.billing_audit_attempts:  # the failures in a row are over
+        Task.objects.filter(pk=task.pk).update(billing_audit_attempts=0)
     extras = [j for j in jobs if j.id != keep_job_id]
     if not extras:
         return 0
@@ -110,19 +112,21 @@ def audit_again(task_id: Any, *, after_s: float) -> None:
     Task.objects.filter(pk=task_id).exclude(billing_audit_due_at__gt=due).update(billing_audit_due_at=due)
 
 
-def _audit_failed(task: Task, err: VendorError) -> None:
+def _audit_failed(task: Task, code: str) -> None:
     failures = (Task.objects.filter(pk=task.pk).values_list("billing_audit_attempts", flat=True).first() or 0) + 1
     delay = audit_retry_delay_s(failures)
     Task.objects.filter(pk=task.pk).update(billing_audit_attempts=failures)
     if delay is not None:
         audit_again(task.pk, after_s=delay)
         log_event("duplicate_audit_failed", task_id=task.pk, channel=task.channel_id, attempt=failures,
-                  decision=f"again_in_{int(delay)}s", reason=err.code)
+                  decision=f"again_in_{int(delay)}s", reason=code)
         return
     Task.objects.filter(pk=task.pk).update(billing_audit_due_at=None, billing_audit_attempts=0)
     lifecycle.record_event(task.pk, generation=task.generation, actor="billing",
                            reason=f"the vendor could not list this operation's jobs after {failures} audits "
-                                  f"({err.code}); only its usage ledger can still show a duplicate",
+                                  f"({code}); a duplicate can now show only in a usage ledger"
+                                  + ("" if task.channel and capabilities_for(task.channel).billing_ledger
+                                     else ", and this vendor publishes none"),
                            data={"client_ref": task.vendor_client_ref})
 
 
@@ -140,7 +144,11 @@ def step_billing_audit(task_id: Any) -> str:
         return "nothing_to_audit"
     keep = task.vendor_job.vendor_job_id if task.vendor_job and task.vendor_job.channel_id == task.channel_id else ""
     # The task has ended: its calls are bounded by their own timeouts, not a deadline now past.
-    found = audit_duplicates(task, task.channel, adapter_for(task.channel, task_id=task.pk), keep_job_id=keep)
+    try:
+        found = audit_duplicates(task, task.channel, adapter_for(task.channel, task_id=task.pk), keep_job_id=keep)
+    except Exception as exc:  # whatever broke, the audit is tried again on its schedule, not for ever
+        _audit_failed(task, type(exc).__name__)
+        raise
     if found is None:
         return "unreachable"
     Task.objects.filter(pk=task.pk).update(billing_audit_due_at=None, billing_audit_attempts=0)
