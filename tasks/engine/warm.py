@@ -80,10 +80,15 @@ def _write_state(slot: Path, **values: Any) -> None:
 
 
 def _alive(pid: int | None) -> bool:
+    return _is(pid, b"tasks.engine.warm")
+
+
+def _is(pid: int | None, marker: bytes) -> bool:
+    """Whether `pid` is running and is the process its command line says (a pid can be reused)."""
     if not pid:
         return False
     try:
-        return b"tasks.engine.warm" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -93,9 +98,12 @@ def kill(slot: Path) -> None:
     state = _state(slot)
     # LibreOffice and the UNO bridge lead their own groups; the supervisor (a daemon, not a group
     # leader) is one process.
+    # The instance's pipe name is on each of its command lines (LibreOffice's group leader is
+    # oosplash): the state may name processes long reaped, and a reused pid is never signalled.
+    marker = str(state.get("pipe") or "tasks.engine.warm").encode()
     for pid, kill_one in ((state.get("soffice_pid"), os.killpg), (state.get("bridge_pid"), os.killpg),
                           (state.get("supervisor_pid"), os.kill)):
-        if pid and (kill_one is os.killpg or _alive(pid)):
+        if pid and _is(pid, marker):
             try:
                 kill_one(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
