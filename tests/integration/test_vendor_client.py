@@ -121,22 +121,28 @@ def test_gateway_errors_on_create_are_reconciled_before_a_resend(inline_queue, a
     assert any(e.to_state == "RECONCILING" for e in task.events.all())
 
 
-def test_a_stalled_create_that_completes_late_at_a_key_ignoring_vendor_is_caught_as_duplicate_billing(inline_queue, api):
-    """The article's incident: timeout, resend, two jobs billed. Sluice detects, cancels and reports."""
+@pytest.mark.parametrize("stall_ms,processing_ms", [(12_000, 30_000), (30_000, 1000)],
+                         ids=["lands-before-the-result", "lands-after-the-result"])
+def test_a_stalled_create_that_completes_late_at_a_key_ignoring_vendor_is_caught_as_duplicate_billing(
+        inline_queue, api, stall_ms, processing_ms):
+    """The article's incident: timeout, resend, two jobs billed. Sluice detects, cancels and reports
+    — also when the stalled create is billed only after the resent one's result came back (a task
+    whose create was ambiguous is audited again a while after it ends)."""
     primary_only()
     VendorChannel.objects.filter(name="primary").update(upload_buffer_s=1, status_timeout_s=1)
     control = inline_queue.control
-    control.add_rule({"endpoint": "POST /v1/jobs", "type": "stall", "params": {"ms": 12_000}, "times": 1})
+    control.add_rule({"endpoint": "POST /v1/jobs", "type": "stall", "params": {"ms": stall_ms}, "times": 1})
     control.add_rule({"endpoint": "POST /v1/jobs", "type": "ignore_idempotency"})
-    # The resent job must outlive the stall, so both exist when the task completes.
-    control.channel("primary", processing_ms=30_000)
+    control.channel("primary", processing_ms=processing_ms)
     task = run_until(submit_file(api))
     assert task.state == "SUCCEEDED"
+    incident = incident_of(task)
     vendor_dups = control.invariants()["duplicate_billed_client_refs"]
     assert [d["client_ref"] for d in vendor_dups] == [task.vendor_client_ref]
-    incident = incident_of(task)
+    assert incident.kept_job_id == task.vendor_job.vendor_job_id
     assert set(incident.duplicate_job_ids) | {incident.kept_job_id} == set(vendor_dups[0]["jobs"])
     assert incident.duplicate_amount_cents > 0
+    assert any("billed 2 times" in r for r in reasons(task))
 
 
 def incident_of(task: Task, *, timeout: float = 30.0) -> DuplicateIncident:
@@ -149,25 +155,6 @@ def incident_of(task: Task, *, timeout: float = 30.0) -> DuplicateIncident:
         return DuplicateIncident.objects.filter(task=task).first()
 
     return wait_for(found, timeout=timeout, message=f"a duplicate-billing incident for {task.pk}")
-
-
-def test_a_create_that_lands_after_the_task_completed_is_caught_by_a_follow_up_audit(inline_queue, api):
-    """The create timed out, the resent one completed first; the stalled one is billed later, when
-    the task is already done. A task whose create was ambiguous is audited again a while after."""
-    primary_only()
-    VendorChannel.objects.filter(name="primary").update(upload_buffer_s=1, status_timeout_s=1)
-    control = inline_queue.control
-    control.add_rule({"endpoint": "POST /v1/jobs", "type": "stall", "params": {"ms": 30_000}, "times": 1})
-    control.add_rule({"endpoint": "POST /v1/jobs", "type": "ignore_idempotency"})
-    control.channel("primary", processing_ms=1000)
-    task = run_until(submit_file(api))
-    assert task.state == "SUCCEEDED"
-    incident = incident_of(task)
-    vendor_dups = control.invariants()["duplicate_billed_client_refs"]
-    assert [d["client_ref"] for d in vendor_dups] == [task.vendor_client_ref]
-    assert incident.kept_job_id == task.vendor_job.vendor_job_id
-    assert set(incident.duplicate_job_ids) | {incident.kept_job_id} == set(vendor_dups[0]["jobs"])
-    assert any("billed 2 times" in r for r in reasons(task))
 
 
 def test_an_audit_that_cannot_list_the_jobs_is_tried_again_later(inline_queue, api):
