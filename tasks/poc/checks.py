@@ -596,10 +596,9 @@ def started_by_deadline(ev: Evidence) -> Result:
         if queued and task_start:
             admitted[tid] = (queued, task_start, min(task.deadline_at, task.queue_deadline_at or task.deadline_at))
     inversions, pairs = [], 0
-    # An admission pass decides from what it read when it began, and marks its tasks dispatched
-    # one after the other as it grants their slots (on a loaded 2-core machine that takes up to a
-    # second; with PostgreSQL under a loaded CI run, a little more): a task queued after the pass
-    # read the lane was not seen by it.
+    # A pass stamps its tasks with the moment it took the admission lock, then reads the lane and
+    # grants slots one after the other (on a loaded 2-core machine that takes up to a second): a
+    # task whose entry into the queue committed after that read was not seen by the pass.
     seen = timedelta(seconds=1.5)
     for a, (qa, sa, da) in admitted.items():
         for b, (qb, sb, db) in admitted.items():

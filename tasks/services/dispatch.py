@@ -302,6 +302,10 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
     if lane.max_running - lane_running(lane).count() <= 0:
         return sent
     with dispatch_lock():
+        # The decision is made now, not when the caller began: a pass may have waited for the
+        # lock while another admitted. Stamped with the earlier time, its tasks would read as
+        # started before the other pass's, and their queue waits as shorter than they were.
+        now = max(now, timezone.now())
         lane = Lane.objects.get(pk=lane.pk)
         if lane.paused:
             return []

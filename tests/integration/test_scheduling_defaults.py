@@ -224,3 +224,44 @@ def test_each_step_is_sent_with_its_lanes_execution_timeout_plus_the_grace(trans
     assert step_timeout_s("interactive") == min(int(-(-(lane.execution_timeout_s * settings.TIME_SCALE + grace) // 1)),
                                                 settings.LANE_STEP_TIMEOUT_S["interactive"])
     assert step_timeout_s("interactive") <= settings.Q_CLUSTER["ALT_CLUSTERS"]["interactive"]["retry"] - 30
+
+
+def test_a_pass_that_waited_for_the_admission_lock_stamps_the_moment_it_decided(transactional_db):
+    """Two passes race: one holds the admission lock while the other, begun earlier, waits for it.
+    The waiting pass admits only after the lock is free, so its tasks' dispatched_at must say so:
+    stamped with the time the pass began, they would read as admitted before tasks the other pass
+    had already started (an earliest-deadline-first order that looks inverted, and queue waits
+    that look shorter than they were)."""
+    import threading
+    import time
+
+    from django.db import connection
+
+    from tasks.services.dispatch import dispatch_lock
+
+    lane = Lane.objects.get(pk="batch")
+    tenant = tenant_ensure(name="acme")
+    task = queued_task(tenant, lane, waited_s=5, index=1)
+    held, release = threading.Event(), threading.Event()
+    released_at = []
+
+    def hold_the_lock():
+        try:
+            with dispatch_lock():
+                held.set()
+                release.wait(10)
+                released_at.append(timezone.now())
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert held.wait(10)
+    began = timezone.now()
+    threading.Timer(0.5, release.set).start()
+    sent = admit_lane(lane, began)
+    holder.join()
+    assert [t for t, _, _ in sent] == [task.pk]
+    dispatched_at = Task.objects.get(pk=task.pk).dispatched_at
+    assert dispatched_at >= released_at[0], (
+        f"admitted after the lock was released at {released_at[0]:%H:%M:%S.%f} but stamped {dispatched_at:%H:%M:%S.%f}")
