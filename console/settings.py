@@ -75,8 +75,13 @@ TEMPLATES = [
 
 # --- Database: embedded SQLite by default, PostgreSQL when DATABASE_URL is set -------------
 DATABASE_URL = env("DATABASE_URL", "")
+# Each process (and web thread) keeps its connection between requests and steps instead of opening
+# one per step: a new PostgreSQL connection forks a backend, a new SQLite one runs its pragmas, and
+# django-q2's ORM broker asks for a fresh one on every queue operation. A connection that broke
+# (the database restarted, the host was cut off) is checked before reuse and replaced.
+CONN_MAX_AGE = env("SLUICE_DB_CONN_MAX_AGE", 300)
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=CONN_MAX_AGE, conn_health_checks=True)}
     DATABASES["default"].setdefault("TEST", {})
     DATABASES["default"]["TEST"]["NAME"] = env("SLUICE_TEST_DATABASE_NAME", "sluice_test")
 else:
@@ -93,6 +98,8 @@ else:
             },
             # A file, not :memory:, so forked worker processes see the test database.
             "TEST": {"NAME": str(DATA_DIR / "test-sluice.sqlite3")},
+            "CONN_MAX_AGE": CONN_MAX_AGE,
+            "CONN_HEALTH_CHECKS": True,
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
