@@ -11,6 +11,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from tasks.secrets import SecretField
 from tasks.states import State
@@ -588,7 +589,7 @@ class VendorCall(models.Model):
     counts_for_breaker = models.BooleanField(default=True)
     breaker_failure = models.BooleanField(default=False)
     slow = models.BooleanField(default=False)
-    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    at = models.DateTimeField(default=timezone.now, db_index=True, help_text="When the call was made.")
 
     class Meta:
         indexes = [models.Index(fields=["channel", "-id"])]

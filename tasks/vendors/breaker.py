@@ -8,6 +8,8 @@ it. FORCED_OPEN and DISABLED are set by operators. Every state change is a compa
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -32,11 +34,30 @@ class Permit:
     version: int
 
 
+# A call on a closed breaker does not read the shared row each time: a process reuses what it
+# read this recently (real seconds). A breaker another process opened is seen that much later,
+# at most a call or two per process; every other state is read afresh for each call.
+HEALTH_FRESH_S = 0.25
+_seen: dict[tuple[int, str], tuple[float, ChannelHealth]] = {}
+
+
 def health_for(channel: VendorChannel) -> ChannelHealth:
     health, _ = ChannelHealth.objects.get_or_create(
         channel=channel, defaults={"retry_tokens": channel.retry_budget_capacity}
     )
+    _seen[(os.getpid(), channel.pk)] = (time.monotonic(), health)
     return health
+
+
+def _recent_health(channel: VendorChannel) -> ChannelHealth | None:
+    seen = _seen.get((os.getpid(), channel.pk))
+    if seen is None or time.monotonic() - seen[0] > HEALTH_FRESH_S:
+        return None
+    return seen[1]
+
+
+def _forget(channel_name: str) -> None:
+    _seen.pop((os.getpid(), channel_name), None)
 
 
 def _reopen_at(health: ChannelHealth, policy: BreakerPolicy) -> datetime | None:
@@ -73,6 +94,9 @@ def is_available(channel: VendorChannel, health: ChannelHealth | None = None) ->
 
 def acquire(channel: VendorChannel) -> Permit:
     """Permission for one call, or BreakerOpen."""
+    recent = _recent_health(channel)
+    if recent is not None and recent.breaker_state in (B.CLOSED, B.DISABLED):
+        return Permit(channel.name, trial=False, version=recent.breaker_version)
     policy = BreakerPolicy.for_channel(channel)
     for _ in range(5):
         health = health_for(channel)
@@ -104,6 +128,8 @@ def acquire(channel: VendorChannel) -> Permit:
 
 def record(channel: VendorChannel, permit: Permit | None, *, failure: bool) -> None:
     """Feed one call's outcome to the breaker (the VendorCall row is already written)."""
+    if not failure and (permit is None or not permit.trial):
+        return  # only failures and trial calls move a breaker
     policy = BreakerPolicy.for_channel(channel)
     health = health_for(channel)
     if permit is not None and permit.trial:
@@ -121,7 +147,7 @@ def record(channel: VendorChannel, permit: Permit | None, *, failure: bool) -> N
             newest = VendorCall.objects.filter(channel=channel).aggregate(m=Max("id"))["m"] or 0
             _cas(health, B.HALF_OPEN, B.CLOSED, opened_at=None, window_started_call_id=newest)
         return
-    if health.breaker_state != B.CLOSED or not failure:
+    if health.breaker_state != B.CLOSED:
         return
     window = list(
         VendorCall.objects.filter(channel=channel, counts_for_breaker=True, id__gt=health.window_started_call_id)
@@ -152,6 +178,7 @@ def force(channel: VendorChannel, state: str, *, actor: str) -> bool:
 
 
 def _cas(health: ChannelHealth, source: str, target: str, *, actor: str = "breaker", **fields) -> bool:
+    _forget(health.pk)
     moved = ChannelHealth.objects.filter(
         pk=health.pk, breaker_state=source, breaker_version=health.breaker_version
     ).update(breaker_state=target, breaker_version=F("breaker_version") + 1, updated_at=timezone.now(), **fields)
@@ -169,6 +196,7 @@ def take_retry_token(channel: VendorChannel, *, timeout: bool) -> bool:
     """
     cost = channel.retry_timeout_cost if timeout else channel.retry_cost
     health_for(channel)
+    _forget(channel.pk)
     with transaction.atomic():
         health = ChannelHealth.objects.select_for_update().get(pk=channel.pk)
         now = timezone.now()
@@ -184,6 +212,10 @@ def take_retry_token(channel: VendorChannel, *, timeout: bool) -> bool:
 
 
 def refund_retry_token(channel: VendorChannel) -> None:
+    recent = _recent_health(channel)
+    if recent is not None and recent.retry_tokens >= channel.retry_budget_capacity:
+        return  # full a moment ago: a success has nothing to give back
+    _forget(channel.pk)
     ChannelHealth.objects.filter(pk=channel.pk, retry_tokens__lt=channel.retry_budget_capacity).update(
         retry_tokens=Least(F("retry_tokens") + channel.retry_success_refund, Value(channel.retry_budget_capacity))
     )
@@ -191,4 +223,5 @@ def refund_retry_token(channel: VendorChannel) -> None:
 
 def reset_retry_budget(channel: VendorChannel) -> None:
     health_for(channel)
+    _forget(channel.pk)
     ChannelHealth.objects.filter(pk=channel.pk).update(retry_tokens=channel.retry_budget_capacity, retry_tokens_at=timezone.now())

@@ -269,7 +269,7 @@ class VendorHttp:
         failure = row.breaker_failure
         counts = counted and row.outcome != Outcome.REFUSED and row.outcome != Outcome.ALARM
         decision = _decision(operation, row.outcome)
-        VendorCall.objects.create(
+        call = VendorCall(
             channel=self.channel,
             task_id=self.task_id,
             generation=self.generation,
@@ -285,7 +285,12 @@ class VendorHttp:
             counts_for_breaker=counts,
             breaker_failure=failure and counts,
             slow=slow and counts,
+            at=timezone.now(),
         )
+        # A plain success is written with the step's other calls; anything the breaker weighs (a
+        # failure, a slow call, a trial) is written before the breaker reads its window.
+        quiet = row.outcome == Outcome.OK and not call.slow and not (permit is not None and permit.trial)
+        log_calls([call], now=not quiet)
         log_event(
             "vendor_call",
             task_id=self.task_id,
@@ -301,6 +306,27 @@ class VendorHttp:
         if counted:
             breaker.record(self.channel, permit, failure=(failure and counts) or (slow and counts))
 
+
+
+# Successful calls not yet written, in this process: written together (one INSERT) when the step
+# ends, when a call the breaker weighs is made, or when this many have gathered.
+_unwritten: list[VendorCall] = []
+UNWRITTEN_MAX = 50
+
+
+def log_calls(calls: list[VendorCall], *, now: bool = False) -> None:
+    _unwritten.extend(calls)
+    if now or len(_unwritten) >= UNWRITTEN_MAX:
+        flush_calls()
+
+
+def flush_calls() -> None:
+    """Write the calls this process made and has not written yet (the step's end calls it)."""
+    if not _unwritten:
+        return
+    calls = list(_unwritten)
+    del _unwritten[:]
+    VendorCall.objects.bulk_create(calls)
 
 
 def json_object(response: httpx.Response) -> dict[str, Any]:
