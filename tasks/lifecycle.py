@@ -78,7 +78,8 @@ def transition(
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
     now = timezone.now()
     changes["updated_at"] = now
-    with transaction.atomic():
+    # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
+    with transaction.atomic(savepoint=False):
         updated = Task.objects.filter(pk=task_id, state=source, generation=generation).update(
             state=target, generation=F("generation") + 1, **changes
         )

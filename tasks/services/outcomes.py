@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Exists
 from django.utils import timezone
 
 from tasks import lifecycle
@@ -78,11 +79,11 @@ def task_move(
 def _notification_outbox(task_id: Any, target: State, generation: int) -> None:
     """The terminal event, to be delivered later; it supersedes any older one not yet delivered
     (a replayed dead letter that succeeds must not be heard as "failed" after "succeeded")."""
-    task = Task.objects.select_related("tenant").get(pk=task_id)
+    older = Notification.objects.filter(task_id=task_id, generation__lt=generation, status=Notification.Status.PENDING)
+    task = Task.objects.select_related("tenant").annotate(older_pending=Exists(older)).get(pk=task_id)
     url = task.callback_url or task.tenant.callback_url
-    Notification.objects.filter(task_id=task_id, generation__lt=generation, status=Notification.Status.PENDING).update(
-        status=Notification.Status.SUPERSEDED, lease_expires_at=None
-    )
+    if task.older_pending:
+        older.update(status=Notification.Status.SUPERSEDED, lease_expires_at=None)
     if not url:
         return
     Notification.objects.get_or_create(

@@ -32,11 +32,13 @@ def file_precheck(*, file: FileVersion) -> FileVersion:
     with local_copy(file.storage_name) as source:
         result = run_precheck(source, file.extension)
     state = FileVersion.Precheck.PASSED if result.verdict == "pass" else FileVersion.Precheck.QUARANTINED
-    FileVersion.objects.filter(pk=file.pk, precheck_state=FileVersion.Precheck.PENDING).update(
-        precheck_state=state, precheck_findings=result.findings,
-        precheck_version=result.findings.get("detector_version", DETECTOR_VERSION), prechecked_at=timezone.now(),
-    )
-    file.refresh_from_db()
+    verdict = dict(precheck_state=state, precheck_findings=result.findings,
+                   precheck_version=result.findings.get("detector_version", DETECTOR_VERSION), prechecked_at=timezone.now())
+    if FileVersion.objects.filter(pk=file.pk, precheck_state=FileVersion.Precheck.PENDING).update(**verdict):
+        for name, value in verdict.items():
+            setattr(file, name, value)
+    else:
+        file.refresh_from_db()  # another worker's pre-check of this file came first: its verdict holds
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
         quarantine_add(file=file, reason=result.reason or "corrupt_file", findings=result.findings)
     else:

@@ -63,9 +63,10 @@ def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bo
             status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
             billing_unit=view.billing_unit or "", amount_cents=view.amount_cents, input_sha256=view.input_sha256,
             result_sha256=view.result_sha256 or "", result_size=view.result_size, engine_version=view.engine_version[:64],
+            terminal_at=timezone.now() if view.terminal else None,
         ),
     )
-    if view.terminal:
+    if view.terminal and not created:
         vendor_job_terminal(job, view.status)
     if created:
         task_billing_check(task.pk)

@@ -59,6 +59,12 @@ def _poll(task: Task) -> str:
         else:
             fail(task, source=S.RUNNING, code=err.code, message=err.message)
         return "poll_error"
+    return job_seen(task, job, view)
+
+
+def job_seen(task: Task, job: VendorJob, view: JobView) -> str:
+    """What the vendor says of the task's job (a poll's answer, or the create's when it already
+    says how the job ended): a finished job is fetched or its failure handled in this step."""
     if view.status != job.status:
         VendorJob.objects.filter(pk=job.pk).update(status=view.status)
         if view.status == "processing":
@@ -68,7 +74,8 @@ def _poll(task: Task) -> str:
     if not view.terminal:
         _schedule_poll(task)
         return view.status
-    vendor_job_terminal(job, view.status)
+    if job.terminal_at is None:
+        vendor_job_terminal(job, view.status)
     if view.status == "completed":
         return _completed(task, job, view)
     failure = job_failure(view)
@@ -116,11 +123,13 @@ def _completed(task: Task, job: VendorJob, view: JobView) -> str:
     if view.input_sha256 and view.input_sha256 != task.file.sha256:
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="input_digest_mismatch")
         return _integrity_failure(task, "the vendor processed a different input than ours (sha256 mismatch)")
-    VendorJob.objects.filter(pk=job.pk).update(result_sha256=view.result_sha256 or "", result_size=view.result_size)
-    job.result_sha256 = view.result_sha256 or ""
+    if (job.result_sha256, job.result_size) != (view.result_sha256 or "", view.result_size):
+        VendorJob.objects.filter(pk=job.pk).update(result_sha256=view.result_sha256 or "", result_size=view.result_size)
+        job.result_sha256, job.result_size = view.result_sha256 or "", view.result_size
     lifecycle.record_event(task.pk, generation=task.generation, actor=actor(), reason="the vendor completed the job",
                            data={"vendor_status": "completed"})
-    task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
+    if task.phase != P.FETCH or task.fetch_attempts:
+        task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
     task.phase, task.fetch_attempts = P.FETCH, 0
     return _fetch(task)
 

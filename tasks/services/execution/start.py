@@ -20,7 +20,7 @@ from django.utils.dateparse import parse_datetime
 
 from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
-from tasks.models import Attempt, Task, VendorChannel
+from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.services.execution.guard import step_crashed, step_interrupted
@@ -32,6 +32,7 @@ from tasks.services.execution.jobs import (
     vendor_of,
 )
 from tasks.services.execution.lease import Lease, actor, lease_seconds, load_task, worker_id
+from tasks.services.execution.poll import job_seen
 from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
 from tasks.services.quarantine import poison_check
 from tasks.states import State
@@ -55,14 +56,15 @@ def step_start(task_id: Any, generation: int) -> str:
         return "stale"
     now = timezone.now()
     lease_expires = now + timedelta(seconds=lease_seconds())
+    claimed = dict(
+        started_at=task.started_at or now,
+        phase=P.UPLOAD if uses_two_step(task.channel, capabilities_for(task.channel)) else P.CREATE,
+        lease_owner=worker_id(), lease_expires_at=lease_expires,
+        attempt_deadline_at=now + timescale.delta(task.lane.execution_timeout_s), due_at=None, enqueued_at=None,
+    )
     moved = lifecycle.transition(
         task.pk, source=S.QUEUED, target=S.RUNNING, generation=generation, actor=actor(), reason="claimed by a worker",
-        fields=dict(
-            started_at=task.started_at or now,
-            phase=P.UPLOAD if uses_two_step(task.channel, capabilities_for(task.channel)) else P.CREATE,
-            lease_owner=worker_id(), lease_expires_at=lease_expires, attempts=F("attempts") + 1,
-            attempt_deadline_at=now + timescale.delta(task.lane.execution_timeout_s), due_at=None, enqueued_at=None,
-        ),
+        fields=dict(claimed, attempts=F("attempts") + 1),
         data={"channel": task.channel_id, "queue_wait_s": round((now - (task.queued_at or task.created_at)).total_seconds(), 3)},
     )
     if moved is None:
@@ -72,7 +74,11 @@ def step_start(task_id: Any, generation: int) -> str:
         task=task, generation=moved.generation, owner=worker_id(), host=host[:100], pid=pid,
         lease_expires_at=lease_expires, heartbeat_at=now, channel=task.channel,
     )
-    task.refresh_from_db()
+    # The row is now what the claim wrote (compare-and-set on the generation read above): the
+    # task goes on in memory, with its channel, file and lane as loaded.
+    for name, value in claimed.items():
+        setattr(task, name, value)
+    task.state, task.generation, task.attempts = S.RUNNING, moved.generation, task.attempts + 1
     lease = Lease.adopt(task)
     started = time.monotonic()
     try:
@@ -96,6 +102,7 @@ def submit(task: Task, lease: Lease) -> None:
     file = task.file
     stage = "create"
     started = time.monotonic()
+    uploaded = False  # its upload slot given back
     try:
         if uses_two_step(channel, vendor.capabilities):
             if not task.upload_id or _expired(task.upload_expires_at):
@@ -110,6 +117,7 @@ def submit(task: Task, lease: Lease) -> None:
                 task.upload_id = receipt.upload_id
                 stage = "create"
             slots_release(task.pk, UPLOAD, reason="upload done")
+            uploaded = True
             request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
                                  options=task.params, upload_ref=task.upload_id, callback_url=vendor_callback_url(channel))
             created = vendor.create_job(request)
@@ -130,14 +138,21 @@ def submit(task: Task, lease: Lease) -> None:
         Attempt.objects.filter(task=task, generation=g).update(upload_ms=int((time.monotonic() - started) * 1000))
         _submit_failed(task, err, stage=stage)
         return
-    slots_release(task.pk, UPLOAD, reason="upload done")
+    if not uploaded:
+        slots_release(task.pk, UPLOAD, reason="upload done")
     Attempt.objects.filter(task=task, generation=g).update(
         upload_ms=int((time.monotonic() - started) * 1000), vendor_job_id=created.job.id
     )
-    _job_created(task, created)
+    # A vendor that answers the create with the job already finished (a fast engine, a replayed
+    # key) is not polled for what it just said: the result is fetched in this step, under its lease.
+    finished = created.job.terminal
+    job = _job_created(task, created, keep_lease=finished, completed=created.job.status == "completed")
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
         audit_duplicates(task, channel, vendor, keep_job_id=created.job.id)
+    if finished and job is not None:
+        lease.heartbeat()  # renewed before the download, as between upload chunks
+        job_seen(task, job, created.job)
 
 
 def uses_two_step(channel: VendorChannel, capabilities: Capabilities) -> bool:
@@ -162,7 +177,10 @@ def _expired(moment: datetime | None) -> bool:
     return moment is not None and moment <= timezone.now() + timescale.delta(60)
 
 
-def _job_created(task: Task, created: Created) -> None:
+def _job_created(task: Task, created: Created, *, keep_lease: bool = False, completed: bool = False) -> VendorJob | None:
+    """Record the created job and make the task poll it (or, `completed`, fetch its result); the
+    job, or None if the task was fenced meanwhile. With `keep_lease` this step goes on with the
+    job (its lease stays; the due poll or fetch is the way back if the step dies)."""
     g = task.generation
     channel = task.channel
     job = record_job(task, channel, created.job, adopted=False)
@@ -171,11 +189,14 @@ def _job_created(task: Task, created: Created) -> None:
     poll = PollPolicy.for_channel(channel)
     first = poll.next_interval_s(0)
     now = timezone.now()
+    lease_fields = {} if keep_lease else dict(lease_owner="", lease_expires_at=None)
+    phase = P.FETCH if completed else P.POLL
     updated = task_update(
-        task.pk, state=S.RUNNING, generation=g, vendor_job=job, phase=P.POLL, poll_interval_s=first, outage_since=None,
+        task.pk, state=S.RUNNING, generation=g, vendor_job=job, phase=phase, poll_interval_s=first, outage_since=None,
         due_at=now + timescale.delta(poll.jittered(first)), poll_deadline_at=now + timescale.delta(poll.budget_s),
-        lease_owner="", lease_expires_at=None, error_code="", error_message="",
+        error_code="", error_message="", fetch_attempts=0, **lease_fields,
     )
+    task.vendor_job, task.phase, task.fetch_attempts = job, phase, 0
     lifecycle.record_event(
         task.pk, generation=g, actor=actor(),
         reason="vendor job replayed by idempotency key" if created.replayed else "vendor job created",
@@ -184,6 +205,8 @@ def _job_created(task: Task, created: Created) -> None:
     if not updated:
         # Fenced while creating: the job is recorded; whoever moved the task decides its fate.
         orphan_check(job)
+        return None
+    return job
 
 
 def _submit_failed(task: Task, err: VendorError, *, stage: str) -> None:
