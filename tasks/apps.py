@@ -1,5 +1,5 @@
 from django.apps import AppConfig
-from django.db.models.signals import post_migrate
+from django.db.models.signals import post_delete, post_migrate, post_save
 
 
 class TasksConfig(AppConfig):
@@ -10,7 +10,14 @@ class TasksConfig(AppConfig):
     def ready(self) -> None:
         from tasks import costs, q2pool
 
+        from tasks.models import QuotaOverride, TenantQuota
+        from tasks.scheduling.quotas import quotas_forget
+
         post_migrate.connect(_ensure_defaults, sender=self)
+        # A process's cached quotas are forgotten when it changes one (others within seconds).
+        for model in (TenantQuota, QuotaOverride):
+            post_save.connect(quotas_forget, sender=model, dispatch_uid=f"quotas-forget-save-{model.__name__}")
+            post_delete.connect(quotas_forget, sender=model, dispatch_uid=f"quotas-forget-delete-{model.__name__}")
         costs.install()  # only where SLUICE_COUNT_DIR is set (the benchmark)
         # Before any qcluster spawns a worker: an idle worker's death must not stop its lane,
         # and a best-effort lane's cluster yields the CPU to interactive work.

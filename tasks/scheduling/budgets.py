@@ -48,6 +48,30 @@ def _open_slots(channel: VendorChannel):
     return BudgetSlot.objects.filter(channel=channel).filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()))
 
 
+def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
+    """Every channel's usage in two statements, whatever the number of channels (the
+    dispatcher looks at all of them on every admission pass)."""
+    names = [c.name for c in channels]
+    jobs: dict[str, int] = dict.fromkeys(names, 0)
+    uploads: dict[str, int] = dict.fromkeys(names, 0)
+    by_lane: dict[str, dict[str, int]] = {name: {} for name in names}
+    held = (BudgetSlot.objects.filter(channel_id__in=names)
+            .filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()))
+            .values_list("channel_id", "kind", "task__lane_id").annotate(n=Count("id")))
+    live = (VendorJob.objects.filter(channel_id__in=names, terminal_at__isnull=True)
+            .values_list("channel_id", "task__lane_id").annotate(n=Count("id")))
+    for name, kind, lane, n in held:
+        if kind == UPLOAD:
+            uploads[name] += n
+            continue
+        jobs[name] += n
+        by_lane[name][lane or ""] = by_lane[name].get(lane or "", 0) + n
+    for name, lane, n in live:
+        jobs[name] += n
+        by_lane[name][lane or ""] = by_lane[name].get(lane or "", 0) + n
+    return {name: ChannelUsage(jobs=jobs[name], uploads=uploads[name], jobs_by_lane=by_lane[name]) for name in names}
+
+
 def channel_usage(channel: VendorChannel) -> ChannelUsage:
     open_slots = _open_slots(channel)
     reserved_jobs = open_slots.filter(kind=JOB).count()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tasks.models import ChannelHealth, Task, VendorChannel
-from tasks.scheduling.budgets import channel_usage, lane_rows
+from tasks.scheduling.budgets import channels_usage, lane_rows
 from tasks.vendors import breaker
 from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.policies import BreakerPolicy
@@ -63,10 +63,14 @@ class ChannelRoom:
 
 
 def channel_rooms() -> dict[str, ChannelRoom]:
+    """Every enabled channel's room, read fresh (four statements, whatever the number of channels)."""
     rooms: dict[str, ChannelRoom] = {}
-    for channel in VendorChannel.objects.filter(enabled=True):
-        health = breaker.health_for(channel)
-        usage = channel_usage(channel)
+    channels = list(VendorChannel.objects.filter(enabled=True))
+    healths = {h.channel_id: h for h in ChannelHealth.objects.filter(channel_id__in=[c.name for c in channels])}
+    usages = channels_usage(channels)
+    for channel in channels:
+        health = healths.get(channel.name) or breaker.health_for(channel)
+        usage = usages[channel.name]
         available = breaker.is_available(channel, health)
         trials = None
         if health.breaker_state in (B.OPEN, B.HALF_OPEN):

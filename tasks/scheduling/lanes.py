@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Q, QuerySet
+from django.db.models import Count, Q, QuerySet
 
 from tasks.models import Lane, Task
 from tasks.states import IN_FLIGHT_STATES, State
@@ -71,9 +71,29 @@ class LaneRouting:
 ROUTING = LaneRouting()
 
 
+# A task holds one of its lane's slots while in flight, or once dispatched and about to start;
+# it waits for one while queued and not yet dispatched.
+HOLDING_SLOT = Q(state__in=IN_FLIGHT_STATES) | Q(state=State.QUEUED, dispatched_at__isnull=False)
+WAITING_FOR_SLOT = Q(state=State.QUEUED, dispatched_at__isnull=True)
+# The states any lane count looks at: a condition the (lane, state, dispatched_at) index can
+# search, so a count reads the lane's live tasks, never its finished history.
+LIVE_STATES = (State.ACCEPTED, State.QUEUED, *IN_FLIGHT_STATES)
+
+
+def live_in_lane(lane: Lane) -> QuerySet[Task]:
+    return Task.objects.filter(lane=lane, state__in=LIVE_STATES)
+
+
 def lane_running(lane: Lane) -> QuerySet[Task]:
     """The lane's tasks holding a slot: in flight, or dispatched and about to start."""
-    return Task.objects.filter(lane=lane).filter(Q(state__in=IN_FLIGHT_STATES) | Q(state=State.QUEUED, dispatched_at__isnull=False))
+    return Task.objects.filter(lane=lane).filter(HOLDING_SLOT)
+
+
+def lane_slots_by_tenant(lane: Lane) -> dict:
+    """tenant → (tasks holding a slot of the lane, tasks waiting for one), in one statement."""
+    rows = (live_in_lane(lane).filter(HOLDING_SLOT | WAITING_FOR_SLOT).values("tenant_id")
+            .annotate(running=Count("id", filter=HOLDING_SLOT), waiting=Count("id", filter=WAITING_FOR_SLOT)))
+    return {row["tenant_id"]: (row["running"], row["waiting"]) for row in rows}
 
 
 def lane_has_room(lane: Lane) -> bool:

@@ -16,12 +16,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, F, Q
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
 from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
-from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, Tenant, VendorJob
+from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, VendorJob
 from tasks.observability import log_event
 from tasks.precheck.sandbox import kill_orphans
 from tasks.queueing import queue_backlog, send, send_step
@@ -29,7 +29,7 @@ from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
 from tasks.scheduling.channels import channel_rooms, channels_down_for, pick_channel
-from tasks.scheduling.lanes import lane_running
+from tasks.scheduling.lanes import lane_slots_by_tenant
 from tasks.services.execution import new_operation_fields
 from tasks.services.history import history_rollup_due
 from tasks.services.outcomes import task_move
@@ -93,37 +93,48 @@ def tick(*, now: datetime | None = None, full: bool = True) -> dict[str, int]:
     What moves work along (retries, admission, due steps) runs every pass; the safety nets and
     housekeeping (deadlines, the watchdog, lost starts, probes, ledger syncs, notifications,
     vendor-job clean-up, history) only in a full pass: the dispatcher loop runs one every
-    DISPATCH_FULL_TICK_S, so a short tick for low latency does not cost a core."""
+    DISPATCH_FULL_TICK_S, so a short tick for low latency does not cost a core. One statement
+    first asks which of them have anything to do; an idle pass costs that one statement."""
     now = now or timezone.now()
+    passes = _FULL_PASSES if full else _SHORT_PASSES
+    due = _which_have_rows({name: probe(now) for name, (probe, _) in passes.items()})
     counts: dict[str, int] = {}
+    for name, (_, run) in passes.items():
+        counts[name] = run(now) if name in due else 0
+        if counts[name]:
+            due = set(passes)  # what a pass did may be work for the next ones (a retry due now is admitted now)
     if full:
-        counts.update(expired=expire_queue_deadlines(now), deadline_failed=enforce_business_deadlines(now),
-                      fenced=watchdog(now))
-    counts.update(
-        retries_due=promote_retries(now),
-        undeferred=admit_deferred(now),
-        admitted=sum(len(admit_lane(lane, now)) for lane in lanes_with_waiting_work()),
-        steps_sent=send_due_steps(now),
-    )
-    if full:
-        counts.update(starts_resent=resend_lost_starts(now), probes=probe_open_breakers(now),
-                      ledger_syncs=send_due_ledger_syncs(now), notifications=send_due_notifications(now),
-                      vendor_jobs=clean_up_vendor_jobs(now), billing_audits=send_due_billing_audits(now),
-                      history=history_rollup_due(now))
+        counts["history"] = history_rollup_due(now)
     busy = {k: v for k, v in counts.items() if v and k != "history"}
     if busy:
         log_event("dispatch_tick", count=sum(busy.values()), reason=",".join(f"{k}={v}" for k, v in busy.items()))
     return counts
 
 
+def _which_have_rows(probes: dict[str, QuerySet]) -> set[str]:
+    """The names of the querysets that have at least one row, in one statement."""
+    parts, params = [], []
+    for queryset in probes.values():
+        sql, values = queryset.values("pk")[:1].query.sql_with_params()
+        parts.append(f"EXISTS ({sql})")
+        params.extend(values)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT " + ", ".join(parts), params)
+        row = cursor.fetchone()
+    return {name for name, found in zip(probes, row, strict=True) if found}
+
+
 # --- deadlines -------------------------------------------------------------------------------
+def _past_queue_deadline(now: datetime) -> QuerySet:
+    return Task.objects.filter(
+        Q(state=S.QUEUED, dispatched_at__isnull=True) | Q(state=S.ACCEPTED, deferred=True), queue_deadline_at__lt=now,
+    )
+
+
 def expire_queue_deadlines(now: datetime) -> int:
     """A task that could not start before its queue deadline is EXPIRED, never dispatched late."""
     expired = 0
-    rows = Task.objects.filter(
-        Q(state=S.QUEUED, dispatched_at__isnull=True) | Q(state=S.ACCEPTED, deferred=True),
-        queue_deadline_at__lt=now,
-    ).values("pk", "state", "generation")[:BATCH]
+    rows = _past_queue_deadline(now).values("pk", "state", "generation")[:BATCH]
     for row in rows:
         if task_move(
             row["pk"], source=row["state"], target=S.EXPIRED, generation=row["generation"], actor=ACTOR,
@@ -134,14 +145,15 @@ def expire_queue_deadlines(now: datetime) -> int:
     return expired
 
 
+def _past_business_deadline(now: datetime) -> QuerySet:
+    return Task.objects.filter(deadline_at__lt=now).exclude(state__in=[*TERMINAL_STATES, S.CANCEL_REQUESTED])
+
+
 def enforce_business_deadlines(now: datetime) -> int:
     """Past its business deadline a task FAILS with deadline_exceeded; its vendor job is cancelled."""
     failed = 0
-    rows = list(
-        Task.objects.filter(deadline_at__lt=now)
-        .exclude(state__in=[*TERMINAL_STATES, S.CANCEL_REQUESTED])
-        .values("pk", "state", "generation", "vendor_job_id", "retries", "waiting_reason")[:BATCH]
-    )
+    rows = list(_past_business_deadline(now).values(
+        "pk", "state", "generation", "vendor_job_id", "retries", "waiting_reason")[:BATCH])
     for row in rows:
         waiting = f" while waiting ({row['waiting_reason']})" if row["waiting_reason"] else ""
         moved = task_move(
@@ -156,6 +168,11 @@ def enforce_business_deadlines(now: datetime) -> int:
             failed += 1
             VendorJob.objects.filter(task_id=row["pk"], terminal_at__isnull=True).update(cancel_requested_at=now)
     return failed
+
+
+def _fenceable(now: datetime) -> QuerySet:
+    return Task.objects.filter(Q(state__in=IN_FLIGHT_STATES, lease_expires_at__lt=now)
+                               | Q(state=S.RUNNING, attempt_deadline_at__lt=now))
 
 
 def watchdog(now: datetime) -> int:
@@ -224,9 +241,13 @@ def _kill_local_subprocess(attempt: Attempt | None) -> None:
 
 
 # --- moving work forward ---------------------------------------------------------------------
+def _retries_due(now: datetime) -> QuerySet:
+    return Task.objects.filter(state=S.RETRY_WAIT, due_at__lte=now)
+
+
 def promote_retries(now: datetime) -> int:
     promoted = 0
-    rows = Task.objects.filter(state=S.RETRY_WAIT, due_at__lte=now).select_related("lane")[:BATCH]
+    rows = _retries_due(now).select_related("lane")[:BATCH]
     down: dict[str, bool] = {}
     for task in rows:
         if task.waiting_reason == "all_channels_down":
@@ -265,17 +286,29 @@ def park_for_outage(task: Task, now: datetime) -> bool:
     return moved is not None
 
 
+def _waiting_for_admission(now: datetime | None = None) -> QuerySet:
+    return Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=True)
+
+
+def admit_waiting(now: datetime) -> int:
+    return sum(len(admit_lane(lane, now)) for lane in lanes_with_waiting_work())
+
+
 def lanes_with_waiting_work() -> list[Lane]:
     """The unpaused lanes that have queued tasks not yet dispatched, in dispatch order (one look
     at the task table instead of one per lane)."""
-    waiting = set(Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=True).values_list("lane_id", flat=True).distinct())
+    waiting = set(_waiting_for_admission().values_list("lane_id", flat=True).distinct())
     return list(Lane.objects.filter(paused=False, pk__in=waiting).order_by("dispatch_order")) if waiting else []
+
+
+def _deferred(now: datetime | None = None) -> QuerySet:
+    return Task.objects.filter(state=S.ACCEPTED, deferred=True)
 
 
 def admit_deferred(now: datetime) -> int:
     """Tasks accepted while their lane was full (defer policy) enter it once there is room."""
     moved_count = 0
-    waiting = set(Task.objects.filter(state=S.ACCEPTED, deferred=True).values_list("lane_id", flat=True).distinct())
+    waiting = set(_deferred().values_list("lane_id", flat=True).distinct())
     for lane in Lane.objects.filter(pk__in=waiting) if waiting else ():
         room = lane.max_queued - Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).count()
         if room <= 0:
@@ -292,14 +325,19 @@ def admit_deferred(now: datetime) -> int:
     return moved_count
 
 
-def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
-    """Dispatch the lane's waiting tasks into free slots: fair share by tenant weight, with aging."""
+def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None) -> list[tuple[Any, int, str]]:
+    """Dispatch the lane's waiting tasks into free slots: fair share by tenant weight, with aging.
+
+    `starting_here`: a task the calling worker will start itself if it is admitted (a pre-check
+    that queued it on the lane's own cluster); no start message is sent for it. If that worker
+    dies first, the start is presumed lost and sent by the dispatcher (resend_lost_starts)."""
     sent: list[tuple[Any, int, str]] = []
-    # Cheap looks first: most passes have nothing to admit or no free slot, and the lock is a
-    # write lock on SQLite. Both are looked at again under the lock.
-    if not Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).exists():
+    # A cheap look first (one statement): most passes have nothing to admit or no free slot, and
+    # the lock is a write lock on SQLite. Both are looked at again under the lock.
+    standing = lane_slots_by_tenant(lane)
+    if not any(waiting for _, waiting in standing.values()):
         return sent
-    if lane.max_running - lane_running(lane).count() <= 0:
+    if lane.max_running - sum(running for running, _ in standing.values()) <= 0:
         return sent
     with dispatch_lock():
         # The decision is made now, not when the caller began: a pass may have waited for the
@@ -309,34 +347,31 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
         lane = Lane.objects.get(pk=lane.pk)
         if lane.paused:
             return []
-        in_lane = Task.objects.filter(lane=lane)
-        running = lane_running(lane)
-        free = lane.max_running - running.count()
-        if free <= 0:
+        standing = lane_slots_by_tenant(lane)
+        free = lane.max_running - sum(running for running, _ in standing.values())
+        tenants = [t for t, (_, waiting) in standing.items() if waiting]
+        if free <= 0 or not tenants:
             return []
-        waiting = in_lane.filter(state=S.QUEUED, dispatched_at__isnull=True)
-        tenants = list(waiting.values("tenant_id").annotate(n=Count("id")).values_list("tenant_id", flat=True))
-        if not tenants:
-            return []
-        running_here = dict(running.values("tenant_id").annotate(n=Count("id")).values_list("tenant_id", "n"))
-        tenant_rows = {t.pk: t for t in Tenant.objects.filter(pk__in=tenants)}
-        limits = {t: quotas.quota_effective(tenant_rows[t], now=now) for t in tenants}
-        running_all = {t: quotas.tenant_running(t) for t in tenants}
-        heads = {
-            t: list(waiting.filter(tenant_id=t).order_by(
-                F("dispatch_deadline_at").asc(nulls_last=True), "queued_at", "created_at")[:free])
-            for t in tenants
-        }
+        running_here = {t: running for t, (running, _) in standing.items()}
+        limits = quotas.quotas_effective(tenants, now=now)
+        # A tenant's running quota counts its tasks in every lane (asked only of tenants that have one).
+        running_all = {t: quotas.tenant_running(t) for t in tenants if limits[t].max_running is not None}
+        waiting = Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True)
+        order = (F("dispatch_deadline_at").asc(nulls_last=True), "queued_at", "created_at")
+        if len(tenants) == 1:
+            heads = {tenants[0]: list(waiting.order_by(*order)[:free])}
+        else:
+            heads = {t: list(waiting.filter(tenant_id=t).order_by(*order)[:free]) for t in tenants}
         rooms = channel_rooms()
         policy = AdmissionPolicy(aging_s=lane.aging_s, urgency_s=lane.urgency_s)
         while free > 0:
-            standing = {t: admission_head(heads[t][0], now) for t in tenants if heads[t]}
+            firsts = {t: admission_head(heads[t][0], now) for t in tenants if heads[t]}
             shares = {
                 t: Share(running=running_here.get(t, 0), weight=limits[t].weight(lane.name),
                          at_quota=limits[t].max_running is not None and running_all[t] >= limits[t].max_running)
-                for t in standing
+                for t in firsts
             }
-            tenant = policy.next_tenant(standing, shares)
+            tenant = policy.next_tenant(firsts, shares)
             if tenant is None:
                 break
             task = heads[tenant].pop(0)
@@ -359,11 +394,13 @@ def admit_lane(lane: Lane, now: datetime) -> list[tuple[Any, int, str]]:
             slots_reserve(task, room.channel)
             room.take(lane.name)
             running_here[tenant] = running_here.get(tenant, 0) + 1
-            running_all[tenant] += 1
+            if tenant in running_all:
+                running_all[tenant] += 1
             free -= 1
             sent.append((task.pk, task.generation, lane.name))
         for task_id, generation, lane_name in sent:
-            transaction.on_commit(lambda t=task_id, g=generation, n=lane_name: send_step("start", t, g, lane=n))
+            if str(task_id) != str(starting_here):
+                transaction.on_commit(lambda t=task_id, g=generation, n=lane_name: send_step("start", t, g, lane=n))
     return sent
 
 
@@ -375,26 +412,33 @@ def admission_head(task: Task, now: datetime) -> Head:
                 deadline_in_s=timescale.nominal((deadline - now).total_seconds()))
 
 
-def dispatch_soon(lane_name: str | None) -> None:
-    """Event-driven admission (after intake, a finished step, a freed slot)."""
-    lanes = Lane.objects.filter(paused=False).order_by("dispatch_order")
+def dispatch_soon(lane_name: str | None, *, starting_here: Any = None) -> None:
+    """Event-driven admission (after intake, a finished step, a freed slot). Without a lane, every
+    lane with waiting work, in dispatch order."""
     if lane_name:
-        lanes = lanes.filter(pk=lane_name)
+        lanes = list(Lane.objects.filter(paused=False, pk=lane_name))
+    else:
+        lanes = lanes_with_waiting_work()
     for lane in lanes:
-        admit_lane(lane, timezone.now())
+        admit_lane(lane, timezone.now(), starting_here=starting_here)
+
+
+STEPS = {S.ACCEPTED: "precheck", S.RUNNING: "poll", S.RECONCILING: "reconcile", S.CANCEL_REQUESTED: "cancel"}
+RUNNING_STEPS = {Task.Phase.POLL: "poll", Task.Phase.FETCH: "fetch"}
+
+
+def _steps_due(now: datetime) -> QuerySet:
+    return (
+        Task.objects.filter(state__in=list(STEPS), due_at__lte=now)
+        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
+        .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=F("due_at")) | Q(enqueued_at__lt=resend_cutoff(now)))
+    )
 
 
 def send_due_steps(now: datetime) -> int:
     """Send the next step of every task whose step is due and not held by a live lease."""
-    resend_before = resend_cutoff(now)
-    steps = {S.ACCEPTED: "precheck", S.RUNNING: "poll", S.RECONCILING: "reconcile", S.CANCEL_REQUESTED: "cancel"}
-    running_steps = {Task.Phase.POLL: "poll", Task.Phase.FETCH: "fetch"}
-    rows = (
-        Task.objects.filter(state__in=list(steps), due_at__lte=now)
-        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
-        .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=F("due_at")) | Q(enqueued_at__lt=resend_before))
-        .values("pk", "state", "generation", "lane_id", "phase", "enqueued_at", "due_at")[:BATCH]
-    )
+    steps, running_steps = STEPS, RUNNING_STEPS
+    rows = _steps_due(now).values("pk", "state", "generation", "lane_id", "phase", "enqueued_at", "due_at")[:BATCH]
     sent = 0
     backlogs = Backlogs()
     for row in rows:
@@ -410,12 +454,13 @@ def send_due_steps(now: datetime) -> int:
     return sent
 
 
+def _starts_unheard(now: datetime) -> QuerySet:
+    return Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=False, enqueued_at__lt=resend_cutoff(now))
+
+
 def resend_lost_starts(now: datetime) -> int:
     """A start message lost between dispatcher and worker (at-most-once Redis) is sent again."""
-    cutoff = resend_cutoff(now)
-    rows = Task.objects.filter(state=S.QUEUED, dispatched_at__isnull=False, enqueued_at__lt=cutoff).values(
-        "pk", "generation", "lane_id", "enqueued_at"
-    )[:BATCH]
+    rows = _starts_unheard(now).values("pk", "generation", "lane_id", "enqueued_at")[:BATCH]
     sent = 0
     backlogs = Backlogs()
     for row in rows:
@@ -425,6 +470,10 @@ def resend_lost_starts(now: datetime) -> int:
             send_step("start", row["pk"], row["generation"], lane=row["lane_id"])
             sent += 1
     return sent
+
+
+def _open_breakers(now: datetime) -> QuerySet:
+    return ChannelHealth.objects.filter(breaker_state=B.OPEN)
 
 
 def probe_open_breakers(now: datetime) -> int:
@@ -438,6 +487,10 @@ def probe_open_breakers(now: datetime) -> int:
     return sent
 
 
+def _ledger_syncs_due(now: datetime) -> QuerySet:
+    return ChannelHealth.objects.filter(ledger_sync_due_at__lte=now)
+
+
 def send_due_ledger_syncs(now: datetime) -> int:
     """A ledger sync that could not finish is tried again when it said it would."""
     sent = 0
@@ -446,6 +499,13 @@ def send_due_ledger_syncs(now: datetime) -> int:
             send("tasks.workers.run_ledger_sync", channel_id, name=f"ledger sync {channel_id}")
             sent += 1
     return sent
+
+
+def _notifications_due(now: datetime) -> QuerySet:
+    return Notification.objects.filter(
+        Q(status=Notification.Status.DELIVERING, lease_expires_at__lt=now)
+        | Q(status=Notification.Status.PENDING, next_attempt_at__lte=now)
+    )
 
 
 def send_due_notifications(now: datetime) -> int:
@@ -465,6 +525,10 @@ def send_due_notifications(now: datetime) -> int:
     return sent
 
 
+def _billing_audits_due(now: datetime) -> QuerySet:
+    return Task.objects.filter(billing_audit_due_at__lte=now)
+
+
 def send_due_billing_audits(now: datetime) -> int:
     """Duplicate audits due again (one that could not list the jobs, the follow-up after an
     ambiguous create). Sending one moves it a resend window on, so a lost message is sent again."""
@@ -475,6 +539,11 @@ def send_due_billing_audits(now: datetime) -> int:
             send("tasks.workers.run_billing_audit", str(pk), name=f"billing audit {pk}")
             sent += 1
     return sent
+
+
+def _vendor_jobs_to_clean(now: datetime) -> QuerySet:
+    return VendorJob.objects.filter(terminal_at__isnull=True).filter(
+        Q(task__state__in=TERMINAL_STATES) | Q(duplicate_of__isnull=False) | Q(cancel_requested_at__isnull=False))
 
 
 def clean_up_vendor_jobs(now: datetime) -> int:
@@ -497,3 +566,24 @@ def clean_up_vendor_jobs(now: datetime) -> int:
 
 
 # --- why is this task waiting? -----------------------------------------------------------------
+
+
+# What a short pass and a full pass do, in order: (is there anything to do?, do it).
+_SHORT_PASSES = {
+    "retries_due": (_retries_due, promote_retries),
+    "undeferred": (_deferred, admit_deferred),
+    "admitted": (_waiting_for_admission, admit_waiting),
+    "steps_sent": (_steps_due, send_due_steps),
+}
+_FULL_PASSES = {
+    "expired": (_past_queue_deadline, expire_queue_deadlines),
+    "deadline_failed": (_past_business_deadline, enforce_business_deadlines),
+    "fenced": (_fenceable, watchdog),
+    **_SHORT_PASSES,
+    "starts_resent": (_starts_unheard, resend_lost_starts),
+    "probes": (_open_breakers, probe_open_breakers),
+    "ledger_syncs": (_ledger_syncs_due, send_due_ledger_syncs),
+    "notifications": (_notifications_due, send_due_notifications),
+    "vendor_jobs": (_vendor_jobs_to_clean, clean_up_vendor_jobs),
+    "billing_audits": (_billing_audits_due, send_due_billing_audits),
+}
