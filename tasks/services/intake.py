@@ -11,15 +11,14 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
-from django.db.models import Min
+from django.db import transaction
+from django.db.models import Count, Min, Q
 from django.utils import timezone
 
-from tasks import filetypes, timescale
+from tasks import filetypes, locks, timescale
 from tasks.errors import (
     BacklogFull,
     FileNotFound,
@@ -36,9 +35,9 @@ from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_step_on_commit
 from tasks.scheduling.admission import LaneLoad, admission_gate
-from tasks.scheduling.lanes import ROUTING, lane_has_room, lane_running
-from tasks.scheduling.quotas import quota_check_submission
-from tasks.services.dispatch import dispatch_soon
+from tasks.scheduling.lanes import HOLDING_SLOT, ROUTING, lane_has_room, live_in_lane
+from tasks.scheduling.quotas import EffectiveQuota, quota_check_submission, quota_effective
+from tasks.services.dispatch import admit_lane
 from tasks.services.execution import Lease
 from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
@@ -50,8 +49,6 @@ PRIORITIES = ("interactive", "batch")
 DEFAULT_DEADLINE_S = 24 * 3600
 MAX_DEADLINE_S = 30 * 24 * 3600
 MAX_PARAMS_BYTES = 4096
-# An intake that crashed while holding its key gives it up after this many seconds.
-KEY_LOCK_S = 30
 
 
 @dataclass(frozen=True)
@@ -154,23 +151,57 @@ def validate_submission(data: Any) -> SubmitRequest:
 
 
 def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str | None, actor: str) -> Submitted:
-    """Accept a task durably, or raise an error that stored nothing."""
+    """Accept a task durably, or raise an error that stored nothing.
+
+    One write transaction: the key's record, the task and its history entry, and (ORM broker) its
+    pre-check message commit together or not at all. A second request with the same key while the
+    first is still being accepted is refused (409) instead of waiting for it (PostgreSQL; on
+    SQLite the first has committed before the second can look, and the second replays it)."""
     if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
         raise InvalidRequest("Idempotency-Key must be 1 to 255 characters.")
     fingerprint = request.fingerprint()
-    record = None
-    if idempotency_key:
-        replay, record = _reserve_key(tenant, idempotency_key, fingerprint)
-        if replay is not None:
-            return Submitted(task=replay, replayed=True)
-    try:
-        task = _accept(tenant=tenant, request=request, actor=actor, record=record, key=idempotency_key)
-    except BaseException:
-        if record is not None:
-            # Refusals are not stored against the key: the client may fix the request and retry.
-            IdempotencyRecord.objects.filter(pk=record.pk, task__isnull=True).delete()
-        raise
+    # Read outside the write transaction (they are not counts: nothing to serialise).
+    file = next(iter(FileVersion.objects.filter(pk=_uuid_or_none(request.file_id), tenant=tenant,
+                                                deleted_at__isnull=True)[:1]), None)
+    quota = quota_effective(tenant)
+    held = _admission_locks(tenant, quota, lane_name=_lane_for(file, request.priority) if file else None)
+    # In a batch this is the item's savepoint: a refused item leaves nothing and stops nothing.
+    with transaction.atomic():
+        record = None
+        if idempotency_key:
+            if not locks.hold(*held, unless_taken=("idempotency-key", tenant.pk, idempotency_key)):
+                raise IdempotencyKeyInUse(retry_after=1)
+            record = next(iter(IdempotencyRecord.objects.filter(tenant=tenant, key=idempotency_key)
+                               .only("pk", "fingerprint", "task_id")[:1]), None)
+            if record is not None and record.fingerprint != fingerprint:
+                raise IdempotencyKeyMismatch()
+            if record is not None and record.task_id is not None:
+                return Submitted(task=Task.objects.get(pk=record.task_id), replayed=True)
+        else:
+            locks.hold(*held)
+        task = _accept(tenant=tenant, file=file, quota=quota, request=request, actor=actor, key=idempotency_key)
+        if record is not None:  # a reservation an earlier version left without its task
+            IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=fingerprint, locked_at=None)
+        elif idempotency_key:
+            IdempotencyRecord.objects.create(tenant=tenant, key=idempotency_key, fingerprint=fingerprint, task=task)
+    log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=task.lane_id, kind=request.kind,
+              size=file.size if file else None)
     return Submitted(task=task, replayed=False)
+
+
+def _admission_locks(tenant: Tenant, quota: EffectiveQuota, *, lane_name: str | None) -> list[tuple[object, ...]]:
+    """What a submission holds while it decides (PostgreSQL): its tenant when the tenant has a
+    quota that counts submissions (so the quota holds exactly), then its lane's admission gate (so
+    the lane's backlog limit holds exactly). Always in this order."""
+    counted = (quota.max_queued, quota.submissions_per_minute, quota.bytes_per_day, quota.units_per_day)
+    held: list[tuple[object, ...]] = [("tenant-quota", tenant.pk)] if any(v is not None for v in counted) else []
+    return held + ([("lane-gate", lane_name)] if lane_name else [])
+
+
+def _lane_for(file: FileVersion, priority: str) -> str:
+    """The task's provisional lane: from its size, and from its pre-check where that has run."""
+    findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
+    return ROUTING.lane_for(priority=priority, size=file.size, findings=findings)
 
 
 @dataclass(frozen=True)
@@ -184,8 +215,8 @@ def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | Sluic
     """Many submissions from one request: each is accepted, replayed or refused on its own, as a
     single submission would be, inside its own savepoint (never half written; one refusal stops
     nothing else), all of them committed together before the answer (durable before it, one
-    commit for the batch instead of one per submission). While it runs, the tenant's other
-    submissions wait for it, as they wait for each other."""
+    commit for the batch instead of one per submission). While it runs, other submissions to
+    the lanes it admits into wait for it, as they wait for each other."""
     outcomes = []
     with transaction.atomic():
         for request, key in items:
@@ -193,8 +224,7 @@ def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | Sluic
                 outcomes.append(BatchOutcome(error=request))
                 continue
             try:
-                with transaction.atomic():
-                    submitted = task_submit(tenant=tenant, request=request, idempotency_key=key, actor=actor)
+                submitted = task_submit(tenant=tenant, request=request, idempotency_key=key, actor=actor)
             except SluiceError as error:
                 outcomes.append(BatchOutcome(error=error))
             else:
@@ -202,29 +232,9 @@ def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | Sluic
     return outcomes
 
 
-def _reserve_key(tenant: Tenant, key: str, fingerprint: str) -> tuple[Task | None, IdempotencyRecord | None]:
-    now = timezone.now()
-    try:
-        with transaction.atomic():
-            return None, IdempotencyRecord.objects.create(tenant=tenant, key=key, fingerprint=fingerprint, locked_at=now)
-    except IntegrityError:
-        pass
-    existing = IdempotencyRecord.objects.select_related("task").get(tenant=tenant, key=key)
-    if existing.fingerprint != fingerprint:
-        raise IdempotencyKeyMismatch()
-    if existing.task is not None:
-        return existing.task, None
-    if existing.locked_at and now - existing.locked_at < timedelta(seconds=KEY_LOCK_S):
-        raise IdempotencyKeyInUse(retry_after=1)
-    taken = IdempotencyRecord.objects.filter(pk=existing.pk, task__isnull=True, locked_at=existing.locked_at).update(locked_at=now)
-    if not taken:
-        raise IdempotencyKeyInUse(retry_after=1)
-    existing.locked_at = now
-    return None, existing
-
-
-def _accept(*, tenant: Tenant, request: SubmitRequest, actor: str, record: IdempotencyRecord | None, key: str | None) -> Task:
-    file = FileVersion.objects.filter(pk=_uuid_or_none(request.file_id), tenant=tenant, deleted_at__isnull=True).first()
+def _accept(*, tenant: Tenant, file: FileVersion | None, quota: EffectiveQuota, request: SubmitRequest, actor: str,
+            key: str | None) -> Task:
+    """The task's rows, inside the caller's transaction and locks."""
     if file is None:
         raise FileNotFound()
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
@@ -238,25 +248,18 @@ def _accept(*, tenant: Tenant, request: SubmitRequest, actor: str, record: Idemp
                 f"{' or '.join(sorted(filetypes.INPUT_FAMILIES[request.kind]))}.", field="kind",
             )
     findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
-    lane_name = ROUTING.lane_for(priority=request.priority, size=file.size, findings=findings)
     units = _estimated_units(request.kind, findings)
     now = timezone.now()
-    with transaction.atomic():
-        # Serialise admission per tenant and lane, so quotas and backlog limits hold exactly.
-        Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
-        lane = Lane.objects.select_for_update().get(pk=lane_name)
-        quota_check_submission(tenant, size=file.size, units=units)
-        deferred = _admit(lane, priority=request.priority)
-        task, event = accepted_rows(tenant=tenant, file=file, request=request, lane=lane, units=units, deferred=deferred,
-                                    key=key, actor=actor, now=now)
-        task.save(force_insert=True)
-        event.save(force_insert=True)
-        if record is not None:
-            IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, locked_at=None)
-        # Pre-checks run on the workers of the task's provisional lane: a batch flood's
-        # pre-checks never queue in front of an interactive task's.
-        send_step_on_commit("precheck", task.pk, 0, lane=lane.name)
-    log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=lane.name, kind=request.kind, size=file.size)
+    quota_check_submission(tenant, quota=quota, size=file.size, units=units)
+    lane = Lane.objects.get(pk=_lane_for(file, request.priority))
+    deferred = _admit(lane, priority=request.priority)
+    task, event = accepted_rows(tenant=tenant, file=file, request=request, lane=lane, units=units, deferred=deferred,
+                                key=key, actor=actor, now=now)
+    task.save(force_insert=True)
+    event.save(force_insert=True)
+    # Pre-checks run on the workers of the task's provisional lane: a batch flood's pre-checks
+    # never queue in front of an interactive task's.
+    send_step_on_commit("precheck", task.pk, 0, lane=lane.name)
     return task
 
 
@@ -286,11 +289,13 @@ def _admit(lane: Lane, *, priority: str) -> bool:
     deferred. The gate decides (tasks/scheduling/admission.py); the lane's policy says what a
     closed gate does: reject answers 503 with Retry-After, defer accepts and parks the task, shed
     drops the lane's oldest waiting task to make room."""
-    waiting_tasks = Task.objects.filter(lane=lane, state__in=(State.ACCEPTED, State.QUEUED), dispatched_at__isnull=True)
-    oldest = waiting_tasks.aggregate(m=Min("created_at"))["m"]
+    waiting = Q(state__in=(State.ACCEPTED, State.QUEUED), dispatched_at__isnull=True)
+    counts = live_in_lane(lane).filter(waiting | HOLDING_SLOT).aggregate(
+        waiting=Count("id", filter=waiting), running=Count("id", filter=HOLDING_SLOT),
+        oldest=Min("created_at", filter=waiting))
     load = LaneLoad(
-        waiting=waiting_tasks.count(), running=lane_running(lane).count(),
-        oldest_wait_s=timescale.nominal((timezone.now() - oldest).total_seconds()) if oldest else 0.0,
+        waiting=counts["waiting"], running=counts["running"],
+        oldest_wait_s=timescale.nominal((timezone.now() - counts["oldest"]).total_seconds()) if counts["oldest"] else 0.0,
     )
     gate = admission_gate(max_queued=lane.max_queued, max_running=lane.max_running, early_close_pct=lane.early_close_pct,
                           oldest_wait_limit_s=lane.oldest_wait_limit_s, busy_close_pct=lane.busy_close_pct, load=load)
@@ -336,8 +341,10 @@ def _uuid_or_none(value: str):
 
 
 # --- after acceptance: pre-check and routing ---------------------------------------------------
-def task_precheck_and_route(task_id: Any, generation: int) -> str:
-    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's workers."""
+def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str | None = None) -> str:
+    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
+    workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
+    itself if it is admitted into that lane at once."""
     task = Task.objects.select_related("file", "lane", "tenant").filter(pk=task_id).first()
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
         return "stale"
@@ -371,7 +378,8 @@ def task_precheck_and_route(task_id: Any, generation: int) -> str:
     released = bool(findings.get("released")) or Quarantine.objects.filter(
         tenant_id=task.tenant_id, sha256=file.sha256, released_at__isnull=False, reason=Quarantine.Reason.POISON,
     ).exists()
-    lane = Lane.objects.get(pk=ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released))
+    lane_name = ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released)
+    lane = task.lane if task.lane_id == lane_name else Lane.objects.get(pk=lane_name)
     units = _estimated_units(task.kind, findings)
     if task.deferred or not lane_has_room(lane):
         task_update(task.pk, state=State.ACCEPTED, generation=generation, lane=lane, deferred=True,
@@ -386,6 +394,6 @@ def task_precheck_and_route(task_id: Any, generation: int) -> str:
                     queue_deadline_at=queue_deadline_at, dispatch_deadline_at=min(task.deadline_at, queue_deadline_at)),
         data={"lane": lane.name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")},
     )
-    if moved:
-        dispatch_soon(lane.name)
+    if moved and not lane.paused:
+        admit_lane(lane, timezone.now(), starting_here=task.pk if lane.name == worker_lane else None)
     return "queued"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tasks.models import FileVersion, IdempotencyRecord, Task, TaskEvent
+from tasks.models import FileVersion, IdempotencyRecord, Task, TaskEvent, Tenant
 from tasks.poc import files
 from tasks.services.tenancy import tenant_ensure, token_issue
 from tests.support.flows import stored_bytes
@@ -159,18 +159,95 @@ def test_same_key_different_request_is_422_mismatch(api):
     assert Task.objects.count() == 1
 
 
-def test_same_key_while_the_first_is_being_accepted_is_409_in_use(api, tenant):
+@pytest.mark.django_db(transaction=True)
+def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
+    """Two requests with one key at once. PostgreSQL: while the first is being accepted, the
+    second is refused with 409 idempotency_key_in_use (Retry-After 1) instead of waiting, and a
+    retry afterwards replays the first. SQLite: the first has committed before the second can
+    look, and the second replays it. Either way: one task."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+    from django.test import Client
+
+    from tasks import locks
+
+    def client() -> Client:
+        return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    file_id = upload(client(), files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "interactive"}
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lane() -> None:
+        # The lane's admission is busy (PostgreSQL: its gate's lock; SQLite: a write transaction).
+        try:
+            with transaction.atomic():
+                locks.hold(("lane-gate", "interactive"))
+                Tenant.objects.filter(pk=tenant.pk).update(name=tenant.name)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    answers: dict[str, object] = {}
+
+    def send(name: str) -> None:
+        try:
+            answers[name] = submit(client(), body, key="order-3")
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_lane)
+    holder.start()
+    assert held.wait(10)
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    if connection.vendor == "postgresql":
+        # The first holds its key and waits for the lane: it is being accepted.
+        with connection.cursor() as cursor:
+            for _ in range(200):
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                if cursor.fetchone()[0]:
+                    break
+                time.sleep(0.02)
+        second = submit(client(), body, key="order-3")
+        assert second.status_code == 409 and second.json()["code"] == "idempotency_key_in_use"
+        assert second["Retry-After"] == "1"
+        release.set()
+        first.join(30)
+        assert answers["first"].status_code == 202 and not answers["first"].has_header("Idempotent-Replayed")
+        replay = submit(client(), body, key="order-3")
+        assert replay.status_code == 202 and replay["Idempotent-Replayed"] == "true"
+        assert replay.json()["id"] == answers["first"].json()["id"]
+    else:
+        second = threading.Thread(target=send, args=("second",))
+        second.start()
+        release.set()
+        first.join(30)
+        second.join(30)
+        ids = {answers[name].json()["id"] for name in ("first", "second")}
+        assert [answers[name].status_code for name in ("first", "second")] == [202, 202] and len(ids) == 1
+        assert sum(answers[name].has_header("Idempotent-Replayed") for name in ("first", "second")) == 1
+    holder.join(10)
+    assert Task.objects.count() == 1 and IdempotencyRecord.objects.get(key="order-3").task_id is not None
+
+
+def test_a_key_reserved_by_an_intake_that_never_finished_is_taken_over(api, tenant):
+    """A reservation without its task (left by an earlier version that reserved keys in a
+    transaction of their own, and crashed) does not block the key for ever."""
     from django.utils import timezone
 
     file_id = upload(api, files.wav()).json()["id"]
     body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
     from tasks.services.intake import validate_submission
 
-    IdempotencyRecord.objects.create(tenant=tenant, key="order-3", fingerprint=validate_submission(body).fingerprint(),
+    IdempotencyRecord.objects.create(tenant=tenant, key="order-4", fingerprint=validate_submission(body).fingerprint(),
                                      locked_at=timezone.now())
-    answer = submit(api, body, key="order-3")
-    assert answer.status_code == 409 and answer.json()["code"] == "idempotency_key_in_use"
-    assert answer["Retry-After"] == "1"
+    answer = submit(api, body, key="order-4")
+    assert answer.status_code == 202 and not answer.has_header("Idempotent-Replayed")
+    assert str(IdempotencyRecord.objects.get(key="order-4").task_id) == answer.json()["id"]
 
 
 def test_keys_are_per_tenant(api, client):

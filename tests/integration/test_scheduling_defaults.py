@@ -233,7 +233,6 @@ def test_a_pass_that_waited_for_the_admission_lock_stamps_the_moment_it_decided(
     had already started (an earliest-deadline-first order that looks inverted, and queue waits
     that look shorter than they were)."""
     import threading
-    import time
 
     from django.db import connection
 

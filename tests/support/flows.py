@@ -6,7 +6,7 @@ import json
 
 from django.test import Client
 
-from tasks.models import Task
+from tasks.models import Task, TenantQuota
 from tasks.poc import files
 
 
@@ -53,3 +53,11 @@ def stored_bytes(file) -> bytes:
 
     with open_stored(file.storage_name) as handle:
         return handle.read()
+
+
+def quota_set(tenant, **fields) -> None:
+    """Change a tenant's quota as an operator does in the console (the row is saved)."""
+    quota = TenantQuota.objects.get(tenant=tenant)
+    for name, value in fields.items():
+        setattr(quota, name, value)
+    quota.save()
