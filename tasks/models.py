@@ -428,7 +428,8 @@ class Task(models.Model):
         indexes = [
             models.Index(fields=["state", "due_at"]),
             models.Index(fields=["state", "lease_expires_at"]),
-            models.Index(fields=["lane", "state", "dispatched_at"]),
+            # Also the oldest waiting task of a lane, found at the start of its range.
+            models.Index(fields=["lane", "state", "dispatched_at", "created_at"], name="task_lane_state_oldest"),
             models.Index(fields=["tenant", "state"]),
             models.Index(fields=["tenant", "-created_at"]),
             models.Index(fields=["state", "deadline_at"]),
@@ -480,6 +481,27 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"attempt g{self.generation} of {self.task_id}"
+
+
+class LaneTenantLoad(models.Model):
+    """How many of one tenant's tasks are in each live stage of one lane. Kept exact by triggers on
+    the task table (tasks/counters.py): every insert, update and delete of a task, whatever wrote
+    it, moves its count; a gate or an admission pass reads these few rows instead of counting a
+    backlog of thousands."""
+
+    lane = models.CharField(max_length=32, help_text="The lane's name ('' for a task without one).")
+    tenant = models.UUIDField()
+    accepted = models.BigIntegerField(default=0, help_text="ACCEPTED (waiting for its pre-check or room).")
+    queued = models.BigIntegerField(default=0, help_text="QUEUED, not yet dispatched (waiting for a slot).")
+    dispatched = models.BigIntegerField(default=0, help_text="QUEUED and dispatched (holding a slot, about to start).")
+    in_flight = models.BigIntegerField(default=0, help_text="RUNNING, RECONCILING or CANCEL_REQUESTED.")
+    retry_wait = models.BigIntegerField(default=0, help_text="RETRY_WAIT.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["lane", "tenant"], name="lane_tenant_load_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.lane}/{self.tenant}"
 
 
 class TaskEvent(models.Model):

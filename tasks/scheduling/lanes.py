@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Q, QuerySet
 
+from tasks import counters
 from tasks.models import Lane, Task
 from tasks.states import IN_FLIGHT_STATES, State
 
@@ -90,12 +91,11 @@ def lane_running(lane: Lane) -> QuerySet[Task]:
 
 
 def lane_slots_by_tenant(lane: Lane) -> dict:
-    """tenant → (tasks holding a slot of the lane, tasks waiting for one), in one statement."""
-    rows = (live_in_lane(lane).filter(HOLDING_SLOT | WAITING_FOR_SLOT).values("tenant_id")
-            .annotate(running=Count("id", filter=HOLDING_SLOT), waiting=Count("id", filter=WAITING_FOR_SLOT)))
-    return {row["tenant_id"]: (row["running"], row["waiting"]) for row in rows}
+    """tenant → (tasks holding a slot of the lane, tasks waiting for one), from the lane's
+    counter rows (a row per tenant, whatever the backlog)."""
+    return {tenant: (n["dispatched"] + n["in_flight"], n["queued"])
+            for tenant, n in counters.lane_counts_by_tenant(lane.pk).items()}
 
 
 def lane_has_room(lane: Lane) -> bool:
-    waiting = Task.objects.filter(lane=lane, state=State.QUEUED, dispatched_at__isnull=True).count()
-    return waiting < lane.max_queued
+    return counters.lane_counts(lane.pk)["queued"] < lane.max_queued

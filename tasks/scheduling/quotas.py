@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db.models import Min, Q, Sum
+from django.db.models import Count, Min, Sum
 from django.utils import timezone
 
-from tasks import timescale
+from tasks import counters, timescale
 from tasks.errors import OverQuota
 from tasks.models import QuotaOverride, Task, Tenant, TenantQuota
-from tasks.states import IN_FLIGHT_STATES, State
+from tasks.states import State
 
 WAITING_STATES = (State.ACCEPTED, State.QUEUED, State.RETRY_WAIT)
 MINUTE_S = 60.0
@@ -99,49 +99,78 @@ def _read(tenant_ids: list, now: datetime) -> None:
         _rows[tenant_id] = _Rows(read_at=read_at, base=base, overrides=tuple(overrides[tenant_id]))
 
 
-def quota_check_submission(tenant: Tenant, *, quota: EffectiveQuota | None = None, size: int, units: int | None) -> None:
-    """Raise OverQuota naming the first quota this submission would break (`quota`: the tenant's
-    effective quota, when the caller has read it)."""
-    now = timezone.now()
-    quota = quota or quota_effective(tenant, now=now)
-    if quota.max_queued is not None:
-        waiting = Task.objects.filter(tenant=tenant, state__in=WAITING_STATES).count()
-        if waiting >= quota.max_queued:
-            raise OverQuota(
-                f"Quota max_queued reached: {waiting} of {quota.max_queued} tasks are waiting. Retry when some have started.",
+@dataclass
+class QuotaUsage:
+    """What a tenant has used of its counted quotas, read once while its quota lock is held; the
+    submissions of one request are added to it as they are accepted."""
+
+    waiting: int = 0
+    recent: int = 0
+    oldest_recent: datetime | None = None
+    bytes_today: int = 0
+    units_today: int = 0
+
+    @classmethod
+    def read(cls, tenant: Tenant, quota: EffectiveQuota, *, now: datetime) -> QuotaUsage:
+        """Only what the quota limits is counted (nothing, for a tenant without counted quotas)."""
+        usage = cls()
+        if quota.max_queued is not None:
+            counted = counters.tenant_counts(tenant.pk)  # WAITING_STATES, from the counter rows
+            usage.waiting = counted["accepted"] + counted["queued"] + counted["dispatched"] + counted["retry_wait"]
+        if quota.submissions_per_minute is not None:
+            recent = Task.objects.filter(tenant=tenant, created_at__gte=now - timescale.delta(MINUTE_S))
+            counted = recent.aggregate(n=Count("id"), oldest=Min("created_at"))
+            usage.recent, usage.oldest_recent = counted["n"], counted["oldest"]
+        today = Task.objects.filter(tenant=tenant, created_at__gte=now - timescale.delta(DAY_S))
+        if quota.bytes_per_day is not None:
+            usage.bytes_today = today.aggregate(s=Sum("file__size"))["s"] or 0
+        if quota.units_per_day is not None:
+            usage.units_today = today.aggregate(s=Sum("estimated_units"))["s"] or 0
+        return usage
+
+    def refusal(self, quota: EffectiveQuota, *, size: int, units: int | None, now: datetime) -> OverQuota | None:
+        """The first quota one more submission would break, as the error to answer; None if none."""
+        if quota.max_queued is not None and self.waiting >= quota.max_queued:
+            return OverQuota(
+                f"Quota max_queued reached: {self.waiting} of {quota.max_queued} tasks are waiting. Retry when some have started.",
                 retry_after=timescale.seconds(30), quota="max_queued",
             )
-    if quota.submissions_per_minute is not None:
-        window = now - timescale.delta(MINUTE_S)
-        recent = Task.objects.filter(tenant=tenant, created_at__gte=window)
-        count = recent.count()
-        if count >= quota.submissions_per_minute:
-            oldest = recent.aggregate(m=Min("created_at"))["m"] or now
-            wait = max((oldest - window).total_seconds(), 1.0)
-            raise OverQuota(
-                f"Quota submissions_per_minute reached: {count} of {quota.submissions_per_minute}.",
+        if quota.submissions_per_minute is not None and self.recent >= quota.submissions_per_minute:
+            window = now - timescale.delta(MINUTE_S)
+            wait = max(((self.oldest_recent or now) - window).total_seconds(), 1.0)
+            return OverQuota(
+                f"Quota submissions_per_minute reached: {self.recent} of {quota.submissions_per_minute}.",
                 retry_after=wait, quota="submissions_per_minute",
             )
-    day_start = now - timescale.delta(DAY_S)
-    if quota.bytes_per_day is not None:
-        used = Task.objects.filter(tenant=tenant, created_at__gte=day_start).aggregate(s=Sum("file__size"))["s"] or 0
-        if used + size > quota.bytes_per_day:
-            raise OverQuota(
-                f"Quota bytes_per_day reached: {used} of {quota.bytes_per_day} bytes used in the last day.",
+        if quota.bytes_per_day is not None and self.bytes_today + size > quota.bytes_per_day:
+            return OverQuota(
+                f"Quota bytes_per_day reached: {self.bytes_today} of {quota.bytes_per_day} bytes used in the last day.",
                 retry_after=timescale.seconds(3600), quota="bytes_per_day",
             )
-    if quota.units_per_day is not None and units is not None:
-        used = Task.objects.filter(tenant=tenant, created_at__gte=day_start).aggregate(s=Sum("estimated_units"))["s"] or 0
-        if used + units > quota.units_per_day:
-            raise OverQuota(
-                f"Quota units_per_day reached: {used} of {quota.units_per_day} billable units used in the last day.",
+        if quota.units_per_day is not None and units is not None and self.units_today + units > quota.units_per_day:
+            return OverQuota(
+                f"Quota units_per_day reached: {self.units_today} of {quota.units_per_day} billable units used in the last day.",
                 retry_after=timescale.seconds(3600), quota="units_per_day",
             )
+        return None
+
+    def add(self, *, size: int, units: int | None, now: datetime) -> None:
+        """One more submission accepted."""
+        self.waiting += 1
+        self.recent += 1
+        self.oldest_recent = self.oldest_recent or now
+        self.bytes_today += size
+        self.units_today += units or 0
+
+
+def counts_submissions(quota: EffectiveQuota) -> bool:
+    """The tenant has a quota that counts what it submitted (so submissions must be serialised)."""
+    return any(v is not None for v in (quota.max_queued, quota.submissions_per_minute, quota.bytes_per_day,
+                                       quota.units_per_day))
 
 
 def tenant_running(tenant_id) -> int:
-    """Tasks holding an execution slot. One statement: two counts could miss a task that moves
-    from dispatched to RUNNING between them."""
-    return Task.objects.filter(tenant_id=tenant_id).filter(
-        Q(state__in=IN_FLIGHT_STATES) | Q(state=State.QUEUED, dispatched_at__isnull=False)
-    ).count()
+    """Tasks holding an execution slot, in every lane (from the counter rows: one statement, so a
+    task that moves from dispatched to RUNNING meanwhile is counted once)."""
+    counted = counters.tenant_counts(tenant_id)
+    return counted["dispatched"] + counted["in_flight"]

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from tasks import timescale
+from tasks.counters import counts_check
 from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine, Task, Tenant
 from tasks.services.billing import billing_reconcile
 from tasks.services.quarantine import poison_reevaluate, quarantine_expire
@@ -35,6 +36,7 @@ def housekeeping() -> dict[str, int]:
         "originals_expired": expire_originals(),
         "dead_letters_purged": purge_dead_letters(),
         "engine_jobs_pruned": prune_engine_jobs(),
+        "task_counts_repaired": counts_check(repair=True),
     }
 
 
