@@ -36,3 +36,18 @@ def hold(*names: tuple[object, ...], unless_taken: tuple[object, ...] | None = N
         cursor.execute(f"SELECT CASE WHEN pg_try_advisory_xact_lock({lock_key(*unless_taken)}) "
                        f"THEN (SELECT true FROM (SELECT {waits}) AS held) ELSE false END")
         return bool(cursor.fetchone()[0])
+
+
+def try_each(names: list[tuple[object, ...]]) -> list[bool]:
+    """Inside a transaction: try each lock without waiting (one statement); which were taken.
+    A name given twice is taken once and reported taken both times (the locks are this
+    transaction's own)."""
+    if connection.vendor != "postgresql" or not names:
+        return [True] * len(names)
+    if not connection.in_atomic_block:
+        raise RuntimeError("a transaction-level lock needs a transaction")
+    keys = list(dict.fromkeys(lock_key(*name) for name in names))
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT " + ", ".join(f"pg_try_advisory_xact_lock({key})" for key in keys))
+        taken = dict(zip(keys, cursor.fetchone(), strict=True))
+    return [bool(taken[lock_key(*name)]) for name in names]

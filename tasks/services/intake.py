@@ -15,10 +15,9 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Min, Q
 from django.utils import timezone
 
-from tasks import filetypes, locks, timescale
+from tasks import counters, filetypes, locks, timescale
 from tasks.errors import (
     BacklogFull,
     FileNotFound,
@@ -35,8 +34,8 @@ from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_step_on_commit
 from tasks.scheduling.admission import LaneLoad, admission_gate
-from tasks.scheduling.lanes import HOLDING_SLOT, ROUTING, lane_has_room, live_in_lane
-from tasks.scheduling.quotas import EffectiveQuota, quota_check_submission, quota_effective
+from tasks.scheduling.lanes import ROUTING, lane_has_room
+from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
 from tasks.services.dispatch import admit_lane
 from tasks.services.execution import Lease
 from tasks.services.notifications import callback_url_validate
@@ -157,51 +156,10 @@ def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str 
     pre-check message commit together or not at all. A second request with the same key while the
     first is still being accepted is refused (409) instead of waiting for it (PostgreSQL; on
     SQLite the first has committed before the second can look, and the second replays it)."""
-    if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
-        raise InvalidRequest("Idempotency-Key must be 1 to 255 characters.")
-    fingerprint = request.fingerprint()
-    # Read outside the write transaction (they are not counts: nothing to serialise).
-    file = next(iter(FileVersion.objects.filter(pk=_uuid_or_none(request.file_id), tenant=tenant,
-                                                deleted_at__isnull=True)[:1]), None)
-    quota = quota_effective(tenant)
-    held = _admission_locks(tenant, quota, lane_name=_lane_for(file, request.priority) if file else None)
-    # In a batch this is the item's savepoint: a refused item leaves nothing and stops nothing.
-    with transaction.atomic():
-        record = None
-        if idempotency_key:
-            if not locks.hold(*held, unless_taken=("idempotency-key", tenant.pk, idempotency_key)):
-                raise IdempotencyKeyInUse(retry_after=1)
-            record = next(iter(IdempotencyRecord.objects.filter(tenant=tenant, key=idempotency_key)
-                               .only("pk", "fingerprint", "task_id")[:1]), None)
-            if record is not None and record.fingerprint != fingerprint:
-                raise IdempotencyKeyMismatch()
-            if record is not None and record.task_id is not None:
-                return Submitted(task=Task.objects.get(pk=record.task_id), replayed=True)
-        else:
-            locks.hold(*held)
-        task = _accept(tenant=tenant, file=file, quota=quota, request=request, actor=actor, key=idempotency_key)
-        if record is not None:  # a reservation an earlier version left without its task
-            IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=fingerprint, locked_at=None)
-        elif idempotency_key:
-            IdempotencyRecord.objects.create(tenant=tenant, key=idempotency_key, fingerprint=fingerprint, task=task)
-    log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=task.lane_id, kind=request.kind,
-              size=file.size if file else None)
-    return Submitted(task=task, replayed=False)
-
-
-def _admission_locks(tenant: Tenant, quota: EffectiveQuota, *, lane_name: str | None) -> list[tuple[object, ...]]:
-    """What a submission holds while it decides (PostgreSQL): its tenant when the tenant has a
-    quota that counts submissions (so the quota holds exactly), then its lane's admission gate (so
-    the lane's backlog limit holds exactly). Always in this order."""
-    counted = (quota.max_queued, quota.submissions_per_minute, quota.bytes_per_day, quota.units_per_day)
-    held: list[tuple[object, ...]] = [("tenant-quota", tenant.pk)] if any(v is not None for v in counted) else []
-    return held + ([("lane-gate", lane_name)] if lane_name else [])
-
-
-def _lane_for(file: FileVersion, priority: str) -> str:
-    """The task's provisional lane: from its size, and from its pre-check where that has run."""
-    findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
-    return ROUTING.lane_for(priority=priority, size=file.size, findings=findings)
+    outcome = _submit_all(tenant=tenant, items=[(request, idempotency_key)], actor=actor)[0]
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.submitted
 
 
 @dataclass(frozen=True)
@@ -213,28 +171,152 @@ class BatchOutcome:
 def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],
                       actor: str) -> list[BatchOutcome]:
     """Many submissions from one request: each is accepted, replayed or refused on its own, as a
-    single submission would be, inside its own savepoint (never half written; one refusal stops
-    nothing else), all of them committed together before the answer (durable before it, one
-    commit for the batch instead of one per submission). While it runs, other submissions to
-    the lanes it admits into wait for it, as they wait for each other."""
-    outcomes = []
+    single submission would be (one refusal stops nothing else, and a refused one leaves
+    nothing), all of them committed together before the answer (durable before it, one commit for
+    the batch instead of one per submission). While it runs, other submissions to the lanes it
+    admits into wait for it, as they wait for each other."""
+    return _submit_all(tenant=tenant, items=items, actor=actor)
+
+
+@dataclass
+class _Item:
+    index: int
+    request: SubmitRequest
+    key: str | None
+    fingerprint: str
+
+
+class _Lanes:
+    """The lanes a request admits into and their load, read once under their gate locks; every
+    submission accepted into one is counted into its load."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.lanes = counters.lanes_with_load(names) if names else {}
+        self.loads = {name: {"waiting": lane.waiting_now, "running": lane.running_now, "oldest": lane.oldest_waiting_at}
+                      for name, lane in self.lanes.items()}
+
+    def load(self, lane: Lane) -> LaneLoad:
+        counts = self.loads[lane.pk]
+        oldest = counts["oldest"]
+        return LaneLoad(waiting=counts["waiting"], running=counts["running"],
+                        oldest_wait_s=timescale.nominal((timezone.now() - oldest).total_seconds()) if oldest else 0.0)
+
+    def accepted(self, lane: Lane, now) -> None:
+        counts = self.loads[lane.pk]
+        counts["waiting"] += 1
+        counts["oldest"] = counts["oldest"] or now
+
+    def shed(self, lane: Lane) -> None:
+        # One waiting task fewer. The oldest wait is kept as it was (this request's own tasks are
+        # not written yet, a new read would miss them): the gate errs on the side of closing.
+        self.loads[lane.pk]["waiting"] -= 1
+
+
+def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],
+                actor: str) -> list[BatchOutcome]:
+    outcomes: list[BatchOutcome | None] = [None] * len(items)
+    work: list[_Item] = []
+    for index, (request, key) in enumerate(items):
+        if isinstance(request, SluiceError):
+            outcomes[index] = BatchOutcome(error=request)
+        elif key is not None and not 1 <= len(key) <= 255:
+            outcomes[index] = BatchOutcome(error=InvalidRequest("Idempotency-Key must be 1 to 255 characters."))
+        else:
+            work.append(_Item(index, request, key, request.fingerprint()))
+    if not work:
+        return outcomes  # type: ignore[return-value]
+    # Read outside the write transaction (they are not counts: nothing to serialise).
+    wanted = {_uuid_or_none(item.request.file_id) for item in work} - {None}
+    files = {str(f.pk): f for f in FileVersion.objects.filter(pk__in=wanted, tenant=tenant, deleted_at__isnull=True)}
+    quota = quota_effective(tenant)
+    lane_names = sorted({_lane_for(files[i.request.file_id], i.request.priority) for i in work if i.request.file_id in files})
+    held = [("tenant-quota", tenant.pk)] if counts_submissions(quota) else []
+    held += [("lane-gate", name) for name in lane_names]  # always in this order: two requests never wait for each other
+    keys = [("idempotency-key", tenant.pk, item.key) for item in work if item.key]
+    accepted: list[tuple[_Item, Task, TaskEvent]] = []
     with transaction.atomic():
-        for request, key in items:
-            if isinstance(request, SluiceError):
-                outcomes.append(BatchOutcome(error=request))
-                continue
+        if len(work) == 1 and keys:
+            # A key another request is accepting is refused at once, without waiting for its lane.
+            taken = [locks.hold(*held, unless_taken=keys[0])]
+        else:
+            taken = locks.try_each(keys)
+            locks.hold(*held)
+        key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
+        records = {r.key: r for r in IdempotencyRecord.objects.filter(tenant=tenant, key__in=list(key_taken))
+                   .only("pk", "key", "fingerprint", "task_id")} if key_taken else {}
+        lanes = _Lanes(lane_names)
+        now = timezone.now()
+        usage = QuotaUsage.read(tenant, quota, now=now) if counts_submissions(quota) else None
+        first_with: dict[str, _Item] = {}  # a key's first item in this request that was accepted or replayed
+        replayed: dict[int, Any] = {}  # item index -> task id (or the task of an earlier item)
+        for item in work:
             try:
-                submitted = task_submit(tenant=tenant, request=request, idempotency_key=key, actor=actor)
+                if item.key:
+                    if not key_taken[item.key]:
+                        raise IdempotencyKeyInUse(retry_after=1)
+                    earlier = first_with.get(item.key)
+                    record = records.get(item.key)
+                    fingerprint = earlier.fingerprint if earlier else (record.fingerprint if record else item.fingerprint)
+                    if fingerprint != item.fingerprint:
+                        raise IdempotencyKeyMismatch()
+                    if earlier is not None:
+                        replayed[item.index] = earlier
+                        continue
+                    if record is not None and record.task_id is not None:
+                        replayed[item.index] = record.task_id
+                        first_with[item.key] = item
+                        continue
+                task, event = _admit_one(tenant=tenant, item=item, file=files.get(item.request.file_id), quota=quota,
+                                         usage=usage, lanes=lanes, actor=actor, now=now)
             except SluiceError as error:
-                outcomes.append(BatchOutcome(error=error))
+                outcomes[item.index] = BatchOutcome(error=error)
+                continue
+            accepted.append((item, task, event))
+            if item.key:
+                first_with[item.key] = item
+        Task.objects.bulk_create([task for _, task, _ in accepted])
+        TaskEvent.objects.bulk_create([event for _, _, event in accepted])
+        new_records = []
+        for item, task, _ in accepted:
+            if not item.key:
+                continue
+            record = records.get(item.key)
+            if record is not None:  # a reservation an earlier version left without its task
+                IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=item.fingerprint, locked_at=None)
             else:
-                outcomes.append(BatchOutcome(submitted=submitted))
-    return outcomes
+                new_records.append(IdempotencyRecord(tenant=tenant, key=item.key, fingerprint=item.fingerprint, task=task))
+        IdempotencyRecord.objects.bulk_create(new_records)
+        for _, task, _ in accepted:
+            # Pre-checks run on the workers of the task's provisional lane: a batch flood's
+            # pre-checks never queue in front of an interactive task's.
+            send_step_on_commit("precheck", task.pk, 0, lane=task.lane_id)
+    tasks_by_index = {item.index: task for item, task, _ in accepted}
+    stored_ids = [source for source in replayed.values() if not isinstance(source, _Item)]
+    stored = {t.pk: t for t in Task.objects.filter(pk__in=stored_ids)} if stored_ids else {}
+    for index, source in replayed.items():  # keys already used: by an earlier request first, then in this one
+        if not isinstance(source, _Item):
+            tasks_by_index[index] = stored[source]
+    for index, source in replayed.items():
+        if isinstance(source, _Item):
+            tasks_by_index[index] = tasks_by_index[source.index]
+        outcomes[index] = BatchOutcome(submitted=Submitted(task=tasks_by_index[index], replayed=True))
+    for item, task, _ in accepted:
+        outcomes[item.index] = BatchOutcome(submitted=Submitted(task=task, replayed=False))
+        log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=task.lane_id, kind=item.request.kind,
+                  size=task.file.size)
+    return outcomes  # type: ignore[return-value]
 
 
-def _accept(*, tenant: Tenant, file: FileVersion | None, quota: EffectiveQuota, request: SubmitRequest, actor: str,
-            key: str | None) -> Task:
-    """The task's rows, inside the caller's transaction and locks."""
+def _lane_for(file: FileVersion, priority: str) -> str:
+    """The task's provisional lane: from its size, and from its pre-check where that has run."""
+    findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
+    return ROUTING.lane_for(priority=priority, size=file.size, findings=findings)
+
+
+def _admit_one(*, tenant: Tenant, item: _Item, file: FileVersion | None, quota: EffectiveQuota, usage: QuotaUsage | None,
+               lanes: _Lanes, actor: str, now) -> tuple[Task, TaskEvent]:
+    """The rows of one accepted submission (not yet saved), or the error that refuses it."""
+    request = item.request
     if file is None:
         raise FileNotFound()
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
@@ -249,18 +331,18 @@ def _accept(*, tenant: Tenant, file: FileVersion | None, quota: EffectiveQuota, 
             )
     findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
     units = _estimated_units(request.kind, findings)
-    now = timezone.now()
-    quota_check_submission(tenant, quota=quota, size=file.size, units=units)
-    lane = Lane.objects.get(pk=_lane_for(file, request.priority))
-    deferred = _admit(lane, priority=request.priority)
+    if usage is not None:
+        refused = usage.refusal(quota, size=file.size, units=units, now=now)
+        if refused is not None:
+            raise refused
+    lane = lanes.lanes[_lane_for(file, request.priority)]
+    deferred = _admit(lane, priority=request.priority, lanes=lanes)
     task, event = accepted_rows(tenant=tenant, file=file, request=request, lane=lane, units=units, deferred=deferred,
-                                key=key, actor=actor, now=now)
-    task.save(force_insert=True)
-    event.save(force_insert=True)
-    # Pre-checks run on the workers of the task's provisional lane: a batch flood's pre-checks
-    # never queue in front of an interactive task's.
-    send_step_on_commit("precheck", task.pk, 0, lane=lane.name)
-    return task
+                                key=item.key, actor=actor, now=now)
+    lanes.accepted(lane, now)
+    if usage is not None:
+        usage.add(size=file.size, units=units, now=now)
+    return task, event
 
 
 def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, lane: Lane, units: int | None,
@@ -284,19 +366,12 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
     return task, event
 
 
-def _admit(lane: Lane, *, priority: str) -> bool:
+def _admit(lane: Lane, *, priority: str, lanes: _Lanes) -> bool:
     """Close the door explicitly when the lane cannot keep its promise to new work; True means
     deferred. The gate decides (tasks/scheduling/admission.py); the lane's policy says what a
     closed gate does: reject answers 503 with Retry-After, defer accepts and parks the task, shed
     drops the lane's oldest waiting task to make room."""
-    waiting = Q(state__in=(State.ACCEPTED, State.QUEUED), dispatched_at__isnull=True)
-    counts = live_in_lane(lane).filter(waiting | HOLDING_SLOT).aggregate(
-        waiting=Count("id", filter=waiting), running=Count("id", filter=HOLDING_SLOT),
-        oldest=Min("created_at", filter=waiting))
-    load = LaneLoad(
-        waiting=counts["waiting"], running=counts["running"],
-        oldest_wait_s=timescale.nominal((timezone.now() - counts["oldest"]).total_seconds()) if counts["oldest"] else 0.0,
-    )
+    load = lanes.load(lane)
     gate = admission_gate(max_queued=lane.max_queued, max_running=lane.max_running, early_close_pct=lane.early_close_pct,
                           oldest_wait_limit_s=lane.oldest_wait_limit_s, busy_close_pct=lane.busy_close_pct, load=load)
     if gate.state == "open":
@@ -314,6 +389,7 @@ def _admit(lane: Lane, *, priority: str) -> bool:
             actor="admission", reason=f"shed: lane {lane.name} was closing ({gate.reason}) and dropped its oldest waiting task",
             fields=dict(error_code="shed", error_message="the lane was full; the oldest waiting task was shed"),
         ):
+            lanes.shed(lane)
             return False
     raise BacklogFull(f"Admission to lane {lane.name} is closed: {gate.reason}; retry later.",
                       retry_after=retry_after, lane=lane.name)

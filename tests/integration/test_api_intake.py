@@ -385,7 +385,7 @@ def test_a_database_that_cannot_be_reached_is_a_503_problem_and_nothing_is_accep
     def unreachable(**kwargs):
         raise OperationalError("connection to server at 10.0.0.5, port 5432 failed: timeout expired")
 
-    monkeypatch.setattr(intake, "_accept", unreachable)
+    monkeypatch.setattr(intake, "_admit_one", unreachable)
     answer = submit(api, {"file_id": stored.json()["id"], "kind": "transcription", "target_format": "txt"}, key="k-db")
     assert answer.status_code == 503 and answer.json()["code"] == "database_unavailable", answer.content
     assert answer["Retry-After"] and "10.0.0.5" not in answer.content.decode()
