@@ -9,7 +9,6 @@ class TasksConfig(AppConfig):
 
     def ready(self) -> None:
         from tasks import costs, q2pool
-
         from tasks.models import QuotaOverride, TenantQuota
         from tasks.scheduling.quotas import quotas_forget
 
