@@ -427,18 +427,32 @@ STEPS = {S.ACCEPTED: "precheck", S.RUNNING: "poll", S.RECONCILING: "reconcile", 
 RUNNING_STEPS = {Task.Phase.POLL: "poll", Task.Phase.FETCH: "fetch"}
 
 
-def _steps_due(now: datetime) -> QuerySet:
+def _steps_due(now: datetime, *, resends: bool = False) -> QuerySet:
+    """Tasks whose step is due and not held by a live lease: not yet sent since it fell due, or
+    (`resends`) sent long enough ago that the message may have been lost."""
+    unsent = Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=F("due_at"))
     return (
         Task.objects.filter(state__in=list(STEPS), due_at__lte=now)
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
-        .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=F("due_at")) | Q(enqueued_at__lt=resend_cutoff(now)))
+        .filter(unsent | Q(enqueued_at__lt=resend_cutoff(now)) if resends else unsent)
     )
 
 
-def send_due_steps(now: datetime) -> int:
+def _steps_unheard(now: datetime) -> QuerySet:
+    return _steps_due(now, resends=True)
+
+
+def resend_due_steps(now: datetime) -> int:
+    """The safety net for steps: a message sent for a due step that nobody took is sent again
+    (looked for in full passes only: a message waiting behind a backlog is not lost)."""
+    return send_due_steps(now, resends=True)
+
+
+def send_due_steps(now: datetime, *, resends: bool = False) -> int:
     """Send the next step of every task whose step is due and not held by a live lease."""
     steps, running_steps = STEPS, RUNNING_STEPS
-    rows = _steps_due(now).values("pk", "state", "generation", "lane_id", "phase", "enqueued_at", "due_at")[:BATCH]
+    rows = _steps_due(now, resends=resends).values(
+        "pk", "state", "generation", "lane_id", "phase", "enqueued_at", "due_at")[:BATCH]
     sent = 0
     backlogs = Backlogs()
     for row in rows:
@@ -580,6 +594,7 @@ _FULL_PASSES = {
     "deadline_failed": (_past_business_deadline, enforce_business_deadlines),
     "fenced": (_fenceable, watchdog),
     **_SHORT_PASSES,
+    "steps_resent": (_steps_unheard, resend_due_steps),
     "starts_resent": (_starts_unheard, resend_lost_starts),
     "probes": (_open_breakers, probe_open_breakers),
     "ledger_syncs": (_ledger_syncs_due, send_due_ledger_syncs),
