@@ -9,7 +9,7 @@ PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-sqlite test-s3 test-distributed poc bench chaos chaos-short netns install browser engine migrate clean
+.PHONY: run test test-sqlite test-s3 test-distributed poc bench profile chaos chaos-short netns install browser engine migrate clean
 
 poc: install
 	$(PY) manage.py poc run all
@@ -79,6 +79,11 @@ test-distributed: install
 
 bench: install
 	$(PY) manage.py bench
+
+# A pipeline run under py-spy: the share of CPU per kind of process and Sluice's costliest functions.
+profile: install
+	$(VENV)/bin/pip install --quiet -e '.[test,profile]'
+	$(PY) scripts/profile_pipeline.py
 
 # Sluice on namespaced hosts under partitions, kills and vendor faults (root; docs/deployment.md).
 chaos: install netns

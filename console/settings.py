@@ -84,6 +84,12 @@ if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=CONN_MAX_AGE, conn_health_checks=True)}
     DATABASES["default"].setdefault("TEST", {})
     DATABASES["default"]["TEST"]["NAME"] = env("SLUICE_TEST_DATABASE_NAME", "sluice_test")
+    # A kept connection whose peer vanished (a partition, a failover) must fail in seconds, not
+    # after the kernel's minutes of retransmits: libpq's connect timeout, TCP keepalives on an idle
+    # connection, and a bound on unacknowledged data while a query is sent.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3,
+         "keepalives_count": 3, "tcp_user_timeout": 15000, **DATABASES["default"].get("OPTIONS", {})})
 else:
     # WAL + IMMEDIATE transactions + a busy timeout on every connection: without them, writes
     # from several worker processes fail with "database is locked" (shared/notes/django-q2.md).

@@ -66,6 +66,12 @@ def _broker_errors() -> tuple[type[BaseException], ...]:
     return (RedisError, OSError)
 
 
+def purge_lane_queue(cluster: str | None) -> None:
+    """Drop every message waiting in a cluster's queue (the rows say what is due: the dispatcher
+    sends what is still needed again). For benchmarks and operators clearing a flood."""
+    _broker(cluster or control_cluster()).purge_queue()
+
+
 def queue_backlog(cluster: str | None) -> int:
     """Messages waiting in a cluster's queue that no worker has taken yet."""
     return _broker(cluster or control_cluster()).queue_size() or 0

@@ -484,6 +484,28 @@ class Bench:
             "max": round(waits[-1], 3)} if waits else None
         self.figures["flood_tasks"] = flood
         self.log("isolation: measured")
+        self._end_flood()
+
+    def _end_flood(self) -> None:
+        """The sections after this one measure a quiet system, not the rest of the flood: what
+        of it still waits is cancelled (through the one state writer, as an operator's bulk cancel
+        would), and what already runs finishes."""
+        from django.utils import timezone
+
+        from tasks.queueing import purge_lane_queue
+        from tasks.services.outcomes import task_move
+
+        purge_lane_queue("batch")
+        waiting = Task.objects.filter(tenant__name__startswith="flood-", state__in=[State.ACCEPTED, State.QUEUED],
+                                      dispatched_at__isnull=True).values_list("pk", "state", "generation")
+        cancelled = sum(1 for pk, state, generation in waiting if task_move(
+            pk, source=state, target=State.CANCELLED, generation=generation, actor="bench",
+            reason="the benchmark's flood is over", fields=dict(error_code="cancelled", due_at=None)))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and Task.objects.filter(tenant__name__startswith="flood-").exclude(
+                state__in=TERMINAL_STATES).exists():
+            time.sleep(0.2)
+        self.log(f"isolation: {cancelled} flood tasks still waiting were cancelled at {timezone.now():%H:%M:%S}")
 
     def intake(self) -> None:
         seconds = 4 if self.quick else 10
