@@ -487,10 +487,19 @@ def resend_lost_starts(now: datetime) -> int:
 
 
 def _open_breakers(now: datetime) -> QuerySet:
-    return ChannelHealth.objects.filter(breaker_state=B.OPEN)
+    return ChannelHealth.objects.filter(breaker_state__in=(B.OPEN, B.HALF_OPEN))
 
 
 def probe_open_breakers(now: datetime) -> int:
+    """An OPEN breaker past its wait gets a probe call, so recovery is noticed without traffic; a
+    HALF_OPEN one whose trial calls never reported is opened again first (they died with their
+    worker: without this it would refuse every call for ever)."""
+    for health in ChannelHealth.objects.filter(breaker_state=B.HALF_OPEN).select_related("channel"):
+        breaker.reopen_if_trials_lost(health.channel, health)
+    return _probe_open(now)
+
+
+def _probe_open(now: datetime) -> int:
     """An OPEN breaker past its wait gets a probe call, so recovery is noticed without traffic."""
     sent = 0
     for health in ChannelHealth.objects.filter(breaker_state=B.OPEN).select_related("channel"):

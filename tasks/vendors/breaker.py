@@ -92,6 +92,25 @@ def is_available(channel: VendorChannel, health: ChannelHealth | None = None) ->
     return health.half_open_permits_used < policy.half_open_calls
 
 
+def trials_lost(health: ChannelHealth, policy: BreakerPolicy, *, now: datetime | None = None) -> bool:
+    """A HALF_OPEN breaker whose every trial permit was taken long ago without a verdict: the calls
+    that took them died with their worker (killed, or cut off from the database before it could
+    write the outcome) and will never report. Long ago: the open wait, or the slow-call bound when
+    longer (a trial still running then counts as failed anyway)."""
+    if health.breaker_state != B.HALF_OPEN or health.half_open_permits_used < policy.half_open_calls:
+        return False
+    since = health.updated_at  # set when the breaker went HALF_OPEN (counters are updated without it)
+    return since is not None and (now or timezone.now()) - since > timescale.delta(max(policy.open_wait_s, policy.slow_call_s))
+
+
+def reopen_if_trials_lost(channel: VendorChannel, health: ChannelHealth | None = None) -> bool:
+    """Open a breaker whose trials were lost again, so that after its open wait new trials decide."""
+    health = health or health_for(channel)
+    if not trials_lost(health, BreakerPolicy.for_channel(channel)):
+        return False
+    return _cas(health, B.HALF_OPEN, B.OPEN, actor="breaker: trial calls never reported", opened_at=timezone.now())
+
+
 def acquire(channel: VendorChannel) -> Permit:
     """Permission for one call, or BreakerOpen."""
     recent = _recent_health(channel)
@@ -120,6 +139,8 @@ def acquire(channel: VendorChannel) -> Permit:
         ).update(half_open_permits_used=F("half_open_permits_used") + 1)
         if taken:
             return Permit(channel.name, trial=True, version=health.breaker_version)
+        if reopen_if_trials_lost(channel, health):
+            continue
         fresh = health_for(channel)
         if fresh.breaker_state == B.HALF_OPEN and fresh.breaker_version == health.breaker_version:
             raise BreakerOpen(timescale.seconds(min(policy.open_wait_s, 5)))

@@ -1,8 +1,10 @@
 """The circuit breaker is shared by every worker process; fallback and recovery lose nothing."""
 
 import pytest
+from django.utils import timezone
 
 from tasks.models import Attempt, BreakerTransition, ChannelHealth, Task, VendorChannel
+from tasks.vendors.errors import BreakerOpen
 from tests.conftest import TEST_TIME_SCALE, wait_for
 from tests.support.flows import submit_file
 
@@ -45,3 +47,29 @@ def test_an_outage_opens_the_shared_breaker_moves_work_to_the_fallback_and_recov
     invariants = vendor.control.invariants()
     assert invariants["duplicate_billed_client_refs"] == []
     assert invariants["billed_jobs"] == 9
+
+
+def test_a_half_open_breaker_whose_trial_calls_died_with_their_worker_opens_again_and_recovers(inline_queue, api):
+    """A half-open breaker admits a few trial calls and decides on their outcomes. A worker that is
+    killed, or cut off from the database, during its trial never reports it: every permit is taken
+    and no verdict ever comes. The breaker must not stay half-open for ever (the chaos run found
+    tasks parked behind one until its deadline): it opens again, and a new trial closes it."""
+    from tasks import timescale
+    from tasks.vendors import breaker
+    from tests.conftest import run_until
+
+    VendorChannel.objects.filter(name="primary").update(breaker_open_wait_s=30, breaker_half_open_calls=2)
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)  # nowhere else to go
+    channel = VendorChannel.objects.get(pk="primary")
+    health = breaker.health_for(channel)
+    breaker._cas(health, "CLOSED", "OPEN", opened_at=timezone.now() - timescale.delta(31))
+    # Two workers take the trial permits (the first half-opens the breaker)... and die.
+    breaker.acquire(channel)
+    breaker.acquire(channel)
+    assert ChannelHealth.objects.get(pk="primary").breaker_state == "HALF_OPEN"
+    with pytest.raises(BreakerOpen):
+        breaker.acquire(channel)
+    task = run_until(submit_file(api), timeout=30)
+    assert task.state == "SUCCEEDED" and task.channel_id == "primary", (task.state, task.error_code)
+    moves = list(BreakerTransition.objects.filter(channel_id="primary").order_by("id").values_list("from_state", "to_state"))
+    assert ("HALF_OPEN", "OPEN") in moves and moves[-1] == ("HALF_OPEN", "CLOSED"), moves
