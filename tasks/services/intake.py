@@ -227,9 +227,10 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
         return outcomes  # type: ignore[return-value]
     # Read outside the write transaction (they are not counts: nothing to serialise).
     wanted = {_uuid_or_none(item.request.file_id) for item in work} - {None}
-    files = {str(f.pk): f for f in FileVersion.objects.filter(pk__in=wanted, tenant=tenant, deleted_at__isnull=True)}
+    found = {f.pk: f for f in FileVersion.objects.filter(pk__in=wanted, tenant=tenant, deleted_at__isnull=True)}
+    files = {item.index: found.get(_uuid_or_none(item.request.file_id)) for item in work}
     quota = quota_effective(tenant)
-    lane_names = sorted({_lane_for(files[i.request.file_id], i.request.priority) for i in work if i.request.file_id in files})
+    lane_names = sorted({_lane_for(files[i.index], i.request.priority) for i in work if files[i.index] is not None})
     held = [("tenant-quota", tenant.pk)] if counts_submissions(quota) else []
     held += [("lane-gate", name) for name in lane_names]  # always in this order: two requests never wait for each other
     keys = [("idempotency-key", tenant.pk, item.key) for item in work if item.key]
@@ -266,7 +267,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
                         replayed[item.index] = record.task_id
                         first_with[item.key] = item
                         continue
-                task, event = _admit_one(tenant=tenant, item=item, file=files.get(item.request.file_id), quota=quota,
+                task, event = _admit_one(tenant=tenant, item=item, file=files[item.index], quota=quota,
                                          usage=usage, lanes=lanes, actor=actor, now=now)
             except SluiceError as error:
                 outcomes[item.index] = BatchOutcome(error=error)
@@ -274,7 +275,9 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             accepted.append((item, task, event))
             if item.key:
                 first_with[item.key] = item
-        Task.objects.bulk_create([task for _, task, _ in accepted])
+        # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
+        # the order every other writer uses (tasks/counters.py).
+        Task.objects.bulk_create(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
         TaskEvent.objects.bulk_create([event for _, _, event in accepted])
         new_records = []
         for item, task, _ in accepted:

@@ -394,3 +394,11 @@ def test_a_database_that_cannot_be_reached_is_a_503_problem_and_nothing_is_accep
     again = submit(api, {"file_id": stored.json()["id"], "kind": "transcription", "target_format": "txt"}, key="k-db")
     assert again.status_code == 202, again.content
     assert Task.objects.count() == 1
+
+
+def test_a_file_id_in_another_spelling_of_the_same_uuid_is_the_same_file(api):
+    file_id = upload(api, files.wav()).json()["id"]
+    for spelling in (file_id.upper(), file_id.replace("-", "")):
+        answer = submit(api, {"file_id": spelling, "kind": "transcription", "target_format": "txt"})
+        assert answer.status_code == 202, (spelling, answer.content)
+        assert str(Task.objects.get(pk=answer.json()["id"]).file_id) == file_id
