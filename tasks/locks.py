@@ -18,6 +18,12 @@ def lock_key(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "big", signed=True)
 
 
+def are_real() -> bool:
+    """Whether these locks exclude anything by themselves (PostgreSQL); on SQLite the write
+    transaction already does."""
+    return connection.vendor == "postgresql"
+
+
 def hold(*names: tuple[object, ...], unless_taken: tuple[object, ...] | None = None) -> bool:
     """Inside a transaction: wait for the locks `names`, in the order given (callers agree on one
     order, so two of them never wait for each other). With `unless_taken`, first try that lock

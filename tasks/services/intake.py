@@ -173,8 +173,9 @@ def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | Sluic
     """Many submissions from one request: each is accepted, replayed or refused on its own, as a
     single submission would be (one refusal stops nothing else, and a refused one leaves
     nothing), all of them committed together before the answer (durable before it, one commit for
-    the batch instead of one per submission). While it runs, other submissions to the lanes it
-    admits into wait for it, as they wait for each other."""
+    the batch instead of one per submission). Other submissions to the lanes it admits into wait
+    for its admission decision and its commit, as they wait for each other (on PostgreSQL, for a
+    tenant without counted quotas, only for the check of its decision and the commit)."""
     return _submit_all(tenant=tenant, items=items, actor=actor)
 
 
@@ -186,11 +187,18 @@ class _Item:
     fingerprint: str
 
 
-class _Lanes:
-    """The lanes a request admits into and their load, read once under their gate locks; every
-    submission accepted into one is counted into its load."""
+class _GateClosed(Exception):
+    """An unlocked read found a lane's gate not open: the decision is taken again under its lock."""
 
-    def __init__(self, names: list[str]) -> None:
+
+class _Lanes:
+    """The lanes a request admits into and their load, read once; every submission accepted into
+    one is counted into its load. `tentative` loads were read without the gates' locks: a gate
+    that is not open there is not acted on (no refusal, no shed, no deferral) but raises
+    _GateClosed, so that the caller decides again under the locks."""
+
+    def __init__(self, names: list[str], *, tentative: bool = False) -> None:
+        self.tentative = tentative
         self.lanes = counters.lanes_with_load(names) if names else {}
         self.loads = {name: {"waiting": lane.waiting_now, "running": lane.running_now, "oldest": lane.oldest_waiting_at}
                       for name, lane in self.lanes.items()}
@@ -210,6 +218,23 @@ class _Lanes:
         # One waiting task fewer. The oldest wait is kept as it was (this request's own tasks are
         # not written yet, a new read would miss them): the gate errs on the side of closing.
         self.loads[lane.pk]["waiting"] -= 1
+
+    def still_open(self, accepted: list[Task], now) -> bool:
+        """Whether every one of these tasks, counted in one by one, finds its lane's gate open in
+        these loads (read under the gates' locks after a tentative decision)."""
+        for task in accepted:
+            lane = self.lanes[task.lane_id]
+            if _gate(lane, self.load(lane)).state != "open":
+                return False
+            self.accepted(lane, now)
+        return True
+
+
+@dataclass
+class _Decided:
+    outcomes: list[BatchOutcome | None]
+    accepted: list[tuple[_Item, Task, TaskEvent]]
+    replayed: dict[int, Any]  # item index -> task id (or the earlier item of this request with its key)
 
 
 def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],
@@ -234,65 +259,51 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
     held = [("tenant-quota", tenant.pk)] if counts_submissions(quota) else []
     held += [("lane-gate", name) for name in lane_names]  # always in this order: two requests never wait for each other
     keys = [("idempotency-key", tenant.pk, item.key) for item in work if item.key]
-    accepted: list[tuple[_Item, Task, TaskEvent]] = []
+    # PostgreSQL, no counted quota: decide on an unlocked read and write the rows, then take the
+    # lanes' gate locks and check the decision against a fresh read; only that check and the
+    # commit run under the locks (they are held to the commit, so that the next submission's read
+    # counts this one). A decision the fresh read would not take is rolled back and taken again
+    # under the locks. SQLite's one writer serialises the whole transaction anyway.
+    tentative = bool(lane_names) and not counts_submissions(quota) and locks.are_real()
     with transaction.atomic():
-        if len(work) == 1 and keys:
+        if len(work) == 1 and keys and not tentative:
             # A key another request is accepting is refused at once, without waiting for its lane.
             taken = [locks.hold(*held, unless_taken=keys[0])]
         else:
             taken = locks.try_each(keys)
-            locks.hold(*held)
+            if not tentative:
+                locks.hold(*held)
         key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
         records = {r.key: r for r in IdempotencyRecord.objects.filter(tenant=tenant, key__in=list(key_taken))
                    .only("pk", "key", "fingerprint", "task_id")} if key_taken else {}
-        lanes = _Lanes(lane_names)
         now = timezone.now()
-        usage = QuotaUsage.read(tenant, quota, now=now) if counts_submissions(quota) else None
-        first_with: dict[str, _Item] = {}  # a key's first item in this request that was accepted or replayed
-        replayed: dict[int, Any] = {}  # item index -> task id (or the task of an earlier item)
-        for item in work:
+
+        def decide(lanes: _Lanes) -> _Decided:
+            usage = QuotaUsage.read(tenant, quota, now=now) if counts_submissions(quota) else None
+            return _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files, key_taken=key_taken,
+                           records=records, quota=quota, usage=usage, lanes=lanes, actor=actor, now=now)
+
+        decided = None
+        if tentative:
             try:
-                if item.key:
-                    if not key_taken[item.key]:
-                        raise IdempotencyKeyInUse(retry_after=1)
-                    earlier = first_with.get(item.key)
-                    record = records.get(item.key)
-                    fingerprint = earlier.fingerprint if earlier else (record.fingerprint if record else item.fingerprint)
-                    if fingerprint != item.fingerprint:
-                        raise IdempotencyKeyMismatch()
-                    if earlier is not None:
-                        replayed[item.index] = earlier
-                        continue
-                    if record is not None and record.task_id is not None:
-                        replayed[item.index] = record.task_id
-                        first_with[item.key] = item
-                        continue
-                task, event = _admit_one(tenant=tenant, item=item, file=files[item.index], quota=quota,
-                                         usage=usage, lanes=lanes, actor=actor, now=now)
-            except SluiceError as error:
-                outcomes[item.index] = BatchOutcome(error=error)
-                continue
-            accepted.append((item, task, event))
-            if item.key:
-                first_with[item.key] = item
-        # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
-        # the order every other writer uses (tasks/counters.py).
-        Task.objects.bulk_create(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
-        TaskEvent.objects.bulk_create([event for _, _, event in accepted])
-        new_records = []
-        for item, task, _ in accepted:
-            if not item.key:
-                continue
-            record = records.get(item.key)
-            if record is not None:  # a reservation an earlier version left without its task
-                IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=item.fingerprint, locked_at=None)
-            else:
-                new_records.append(IdempotencyRecord(tenant=tenant, key=item.key, fingerprint=item.fingerprint, task=task))
-        IdempotencyRecord.objects.bulk_create(new_records)
-        for _, task, _ in accepted:
+                decided = decide(_Lanes(lane_names, tentative=True))
+            except _GateClosed:
+                locks.hold(*held)
+        if decided is not None and decided.accepted:
+            written = transaction.savepoint()
+            _write(tenant, decided, records)
+            locks.hold(*held)
+            if not _Lanes(lane_names).still_open([task for _, task, _ in decided.accepted], now):
+                transaction.savepoint_rollback(written)
+                decided = None
+        if decided is None:
+            decided = decide(_Lanes(lane_names))
+            _write(tenant, decided, records)
+        for _, task, _ in decided.accepted:
             # Pre-checks run on the workers of the task's provisional lane: a batch flood's
             # pre-checks never queue in front of an interactive task's.
             send_step_on_commit("precheck", task.pk, 0, lane=task.lane_id)
+    outcomes, accepted, replayed = decided.outcomes, decided.accepted, decided.replayed
     tasks_by_index = {item.index: task for item, task, _ in accepted}
     stored_ids = [source for source in replayed.values() if not isinstance(source, _Item)]
     stored = {t.pk: t for t in Task.objects.filter(pk__in=stored_ids)} if stored_ids else {}
@@ -308,6 +319,60 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
         log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=task.lane_id, kind=item.request.kind,
                   size=task.file.size)
     return outcomes  # type: ignore[return-value]
+
+
+def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | None], files: dict,
+            key_taken: dict[str, bool], records: dict, quota: EffectiveQuota, usage: QuotaUsage | None,
+            lanes: _Lanes, actor: str, now) -> _Decided:
+    """Each item accepted (its unsaved rows), replayed or refused, in the request's order."""
+    accepted: list[tuple[_Item, Task, TaskEvent]] = []
+    first_with: dict[str, _Item] = {}  # a key's first item in this request that was accepted or replayed
+    replayed: dict[int, Any] = {}
+    for item in work:
+        try:
+            if item.key:
+                if not key_taken[item.key]:
+                    raise IdempotencyKeyInUse(retry_after=1)
+                earlier = first_with.get(item.key)
+                record = records.get(item.key)
+                fingerprint = earlier.fingerprint if earlier else (record.fingerprint if record else item.fingerprint)
+                if fingerprint != item.fingerprint:
+                    raise IdempotencyKeyMismatch()
+                if earlier is not None:
+                    replayed[item.index] = earlier
+                    continue
+                if record is not None and record.task_id is not None:
+                    replayed[item.index] = record.task_id
+                    first_with[item.key] = item
+                    continue
+            task, event = _admit_one(tenant=tenant, item=item, file=files[item.index], quota=quota,
+                                     usage=usage, lanes=lanes, actor=actor, now=now)
+        except SluiceError as error:
+            outcomes[item.index] = BatchOutcome(error=error)
+            continue
+        accepted.append((item, task, event))
+        if item.key:
+            first_with[item.key] = item
+    return _Decided(outcomes=outcomes, accepted=accepted, replayed=replayed)
+
+
+def _write(tenant: Tenant, decided: _Decided, records: dict) -> None:
+    """The accepted submissions' rows: tasks, their first history entries, their keys' records."""
+    accepted = decided.accepted
+    # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
+    # the order every other writer uses (tasks/counters.py).
+    Task.objects.bulk_create(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
+    TaskEvent.objects.bulk_create([event for _, _, event in accepted])
+    new_records = []
+    for item, task, _ in accepted:
+        if not item.key:
+            continue
+        record = records.get(item.key)
+        if record is not None:  # a reservation an earlier version left without its task
+            IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=item.fingerprint, locked_at=None)
+        else:
+            new_records.append(IdempotencyRecord(tenant=tenant, key=item.key, fingerprint=item.fingerprint, task=task))
+    IdempotencyRecord.objects.bulk_create(new_records)
 
 
 def _lane_for(file: FileVersion, priority: str) -> str:
@@ -374,11 +439,11 @@ def _admit(lane: Lane, *, priority: str, lanes: _Lanes) -> bool:
     deferred. The gate decides (tasks/scheduling/admission.py); the lane's policy says what a
     closed gate does: reject answers 503 with Retry-After, defer accepts and parks the task, shed
     drops the lane's oldest waiting task to make room."""
-    load = lanes.load(lane)
-    gate = admission_gate(max_queued=lane.max_queued, max_running=lane.max_running, early_close_pct=lane.early_close_pct,
-                          oldest_wait_limit_s=lane.oldest_wait_limit_s, busy_close_pct=lane.busy_close_pct, load=load)
+    gate = _gate(lane, lanes.load(lane))
     if gate.state == "open":
         return False
+    if lanes.tentative:
+        raise _GateClosed()
     retry_after = max(timescale.seconds(30), 1)
     if lane.overflow_policy == Lane.Overflow.DEFER:
         return True
@@ -396,6 +461,11 @@ def _admit(lane: Lane, *, priority: str, lanes: _Lanes) -> bool:
             return False
     raise BacklogFull(f"Admission to lane {lane.name} is closed: {gate.reason}; retry later.",
                       retry_after=retry_after, lane=lane.name)
+
+
+def _gate(lane: Lane, load: LaneLoad):
+    return admission_gate(max_queued=lane.max_queued, max_running=lane.max_running, early_close_pct=lane.early_close_pct,
+                          oldest_wait_limit_s=lane.oldest_wait_limit_s, busy_close_pct=lane.busy_close_pct, load=load)
 
 
 def _estimated_units(kind: str, findings: dict[str, Any] | None) -> int | None:

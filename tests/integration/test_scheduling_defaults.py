@@ -136,6 +136,45 @@ def test_a_reject_lane_answers_503_at_its_early_close_threshold(transactional_db
     assert "80%" in refused.json()["detail"] and int(refused["Retry-After"]) >= 1
 
 
+def test_concurrent_submissions_fill_a_lane_exactly_to_its_threshold(transactional_db, api, token):
+    """Sixteen submissions at once to a lane that closes at 8 waiting tasks: exactly 8 accepted
+    (reject lane) and exactly 8 not deferred (defer lane). On PostgreSQL a submission decides on
+    an unlocked read and checks that decision under its lane's lock: the check must catch every
+    read that others' commits made stale."""
+    import threading
+
+    from django.db import connection
+    from django.test import Client
+
+    Lane.objects.filter(pk__in=["interactive", "batch"]).update(max_queued=10, early_close_pct=80)
+    bodies = [_body(api, i) for i in range(32)]
+    answers: dict[int, object] = {}
+    start = threading.Barrier(16)
+
+    def send(index: int, priority: str) -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            start.wait(10)
+            answers[index] = client.post("/api/v1/tasks", data=json.dumps({**bodies[index], "priority": priority}),
+                                         content_type="application/json", HTTP_IDEMPOTENCY_KEY=f"k-{index}")
+        finally:
+            connection.close()
+
+    for priority, indexes in (("interactive", range(16)), ("batch", range(16, 32))):
+        threads = [threading.Thread(target=send, args=(i, priority)) for i in indexes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    interactive = [answers[i].status_code for i in range(16)]
+    assert sorted(interactive) == [202] * 8 + [503] * 8
+    assert Task.objects.filter(lane="interactive").count() == 8
+    batch = [answers[i] for i in range(16, 32)]
+    assert [a.status_code for a in batch] == [202] * 16
+    assert sum(a.json().get("waiting_reason") == "lane_full" for a in batch) == 8
+    assert Task.objects.filter(lane="batch", deferred=False).count() == 8
+
+
 def test_admission_closes_while_the_oldest_queued_task_has_waited_too_long(transactional_db, api):
     lane = Lane.objects.get(pk="interactive")
     # Another tenant's task has waited past the lane's default limit (half its queue deadline).
