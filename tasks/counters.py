@@ -29,8 +29,7 @@ what they accept themselves.
 from __future__ import annotations
 
 import logging
-from datetime import datetime
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
@@ -238,6 +237,6 @@ def lanes_with_load(names: list[str]) -> dict[str, Lane]:
 def _moment(value: Any) -> datetime | None:
     """A timestamp column read by hand: SQLite gives its text (UTC), PostgreSQL an aware datetime."""
     if value is None or isinstance(value, datetime):
-        return value if value is None or timezone.is_aware(value) else timezone.make_aware(value, dt_timezone.utc)
+        return value if value is None or timezone.is_aware(value) else timezone.make_aware(value, UTC)
     parsed = parse_datetime(value)
-    return parsed if parsed is None or timezone.is_aware(parsed) else timezone.make_aware(parsed, dt_timezone.utc)
+    return parsed if parsed is None or timezone.is_aware(parsed) else timezone.make_aware(parsed, UTC)
