@@ -20,6 +20,7 @@ FLUSH_S = 0.5
 _counts = {"statements": 0, "queue_messages": 0}
 _lock = threading.Lock()
 _last_flush = [0.0]
+_written = [""]  # what this process last wrote
 
 
 def directory() -> Path | None:
@@ -44,12 +45,15 @@ def flush() -> None:
     _last_flush[0] = time.monotonic()
     with _lock:  # one writer per process at a time (a threaded web server counts from many)
         data = json.dumps(_counts)
+        if data == _written[0]:
+            return  # nothing counted since: an idle process writes nothing
         target = folder / f"{os.getpid()}.json"
         tmp = folder / f".{os.getpid()}.tmp"
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tmp.write_text(data)
             os.replace(tmp, target)
+            _written[0] = data
         except OSError:
             pass
 
@@ -94,6 +98,7 @@ def _forked() -> None:
     _lock = threading.Lock()  # the parent's flusher may have held it at the fork
     for key in _counts:
         _counts[key] = 0
+    _written[0] = ""
     _start_flusher()
 
 
