@@ -219,9 +219,16 @@ class _Lanes:
         # not written yet, a new read would miss them): the gate errs on the side of closing.
         self.loads[lane.pk]["waiting"] -= 1
 
-    def still_open(self, accepted: list[Task], now) -> bool:
+    def still_open(self, accepted: list[Task], decided_at) -> bool:
         """Whether every one of these tasks, counted in one by one, finds its lane's gate open in
-        these loads (read under the gates' locks after a tentative decision)."""
+        these loads (read under the gates' locks after a tentative decision, with these tasks'
+        rows written: a lane's oldest waiting task read as one of them, stamped `decided_at`
+        before the wait for the lock, is counted as arriving now, as in a decision taken under
+        the lock)."""
+        for counts in self.loads.values():
+            if counts["oldest"] is not None and counts["oldest"] >= decided_at:
+                counts["oldest"] = None
+        now = timezone.now()
         for task in accepted:
             lane = self.lanes[task.lane_id]
             if _gate(lane, self.load(lane)).state != "open":
@@ -295,6 +302,9 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             locks.hold(*held)
             if not _Lanes(lane_names).still_open([task for _, task, _ in decided.accepted], now):
                 transaction.savepoint_rollback(written)
+                # Rolling back to a savepoint releases the locks taken after it: the gates'
+                # locks are taken again before the decision that replaces this one.
+                locks.hold(*held)
                 decided = None
         if decided is None:
             decided = decide(_Lanes(lane_names))

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from tasks import timescale
-from tasks.models import Lane, Task, TenantQuota
+from tasks.models import Lane, Task, Tenant, TenantQuota
 from tasks.poc import files
 from tasks.services.dispatch import admit_lane, promote_retries
 from tasks.services.outcomes import task_move
@@ -173,6 +173,88 @@ def test_concurrent_submissions_fill_a_lane_exactly_to_its_threshold(transaction
     assert [a.status_code for a in batch] == [202] * 16
     assert sum(a.json().get("waiting_reason") == "lane_full" for a in batch) == 8
     assert Task.objects.filter(lane="batch", deferred=False).count() == 8
+
+
+def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_under_it(transactional_db, api, token):
+    """A submission reads its lane with room and writes its task; before it gets the lane's lock,
+    another transaction fills the lane to its threshold. The submission must be refused, and on
+    PostgreSQL its second decision must be taken holding the lane's lock (rolling back to a
+    savepoint releases the locks taken after it: without taking it again, a third submission
+    could decide on counts that miss this one)."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+    from django.test import Client
+
+    from tasks import locks
+
+    Lane.objects.filter(pk="interactive").update(max_queued=10, early_close_pct=80)
+    bodies = [_body(api, i) for i in range(9)]
+    for index in range(6):
+        assert api.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json").status_code == 202
+    held, release = threading.Event(), threading.Event()
+    seen: dict[str, object] = {"rolled_back": False, "locks_at_second_read": None}
+
+    def hold_and_fill() -> None:
+        # Holds the lane's lock (PostgreSQL) or the write lock (SQLite), and fills the lane to 8.
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with transaction.atomic():
+                locks.hold(("lane-gate", "interactive"))
+                Tenant.objects.filter(name="acme").update(name="acme")
+                held.set()
+                release.wait(30)
+                for index in (6, 7):
+                    answer = client.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json")
+                    assert answer.status_code == 202
+        finally:
+            connection.close()
+
+    def spy(execute, sql, params, many, context):
+        if sql.startswith("ROLLBACK TO SAVEPOINT"):
+            seen["rolled_back"] = True
+        elif seen["rolled_back"] and sql.startswith("SELECT l.*") and seen["locks_at_second_read"] is None:
+            with context["connection"].connection.cursor() as raw:
+                raw.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                            "AND pid = pg_backend_pid()")
+                seen["locks_at_second_read"] = raw.fetchone()[0]
+        return execute(sql, params, many, context)
+
+    answers: list = []
+
+    def submit_late() -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with connection.execute_wrapper(spy):
+                answers.append(client.post("/api/v1/tasks", data=json.dumps(bodies[8]), content_type="application/json"))
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_and_fill)
+    holder.start()
+    assert held.wait(10)
+    late = threading.Thread(target=submit_late)
+    late.start()
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:  # the late submission has written its task and waits for the lane
+            for _ in range(250):
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                if cursor.fetchone()[0]:
+                    break
+                time.sleep(0.02)
+            else:
+                raise AssertionError("the late submission never waited for the lane's lock")
+    else:
+        time.sleep(0.3)  # SQLite: it waits for the write lock before it reads anything
+    release.set()
+    holder.join(30)
+    late.join(30)
+    assert answers and answers[0].status_code == 503 and answers[0].json()["code"] == "backlog_full"
+    assert Task.objects.filter(lane="interactive").count() == 8
+    if connection.vendor == "postgresql":
+        assert seen["rolled_back"], "the decision taken on the unlocked read was not rolled back"
+        assert seen["locks_at_second_read"] == 1, "the second decision must hold the lane's lock"
 
 
 def test_admission_closes_while_the_oldest_queued_task_has_waited_too_long(transactional_db, api):
