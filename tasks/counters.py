@@ -236,7 +236,5 @@ def lanes_with_load(names: list[str]) -> dict[str, Lane]:
 
 def _moment(value: Any) -> datetime | None:
     """A timestamp column read by hand: SQLite gives its text (UTC), PostgreSQL an aware datetime."""
-    if value is None or isinstance(value, datetime):
-        return value if value is None or timezone.is_aware(value) else timezone.make_aware(value, UTC)
-    parsed = parse_datetime(value)
-    return parsed if parsed is None or timezone.is_aware(parsed) else timezone.make_aware(parsed, UTC)
+    moment = parse_datetime(value) if isinstance(value, str) else value
+    return timezone.make_aware(moment, UTC) if moment is not None and timezone.is_naive(moment) else moment
