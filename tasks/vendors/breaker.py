@@ -93,13 +93,13 @@ def is_available(channel: VendorChannel, health: ChannelHealth | None = None) ->
 
 
 def trials_lost(health: ChannelHealth, policy: BreakerPolicy, *, now: datetime | None = None) -> bool:
-    """A HALF_OPEN breaker whose every trial permit was taken long ago without a verdict: the calls
+    """A HALF_OPEN breaker whose last trial permit was taken long ago without a verdict: the calls
     that took them died with their worker (killed, or cut off from the database before it could
     write the outcome) and will never report. Long ago: the open wait, or the slow-call bound when
     longer (a trial still running then counts as failed anyway)."""
     if health.breaker_state != B.HALF_OPEN or health.half_open_permits_used < policy.half_open_calls:
         return False
-    since = health.updated_at  # set when the breaker went HALF_OPEN (counters are updated without it)
+    since = health.updated_at  # set when the last permit was taken (outcomes are counted without it)
     return since is not None and (now or timezone.now()) - since > timescale.delta(max(policy.open_wait_s, policy.slow_call_s))
 
 
@@ -136,7 +136,7 @@ def acquire(channel: VendorChannel) -> Permit:
             breaker_state=B.HALF_OPEN,
             breaker_version=health.breaker_version,
             half_open_permits_used__lt=policy.half_open_calls,
-        ).update(half_open_permits_used=F("half_open_permits_used") + 1)
+        ).update(half_open_permits_used=F("half_open_permits_used") + 1, updated_at=timezone.now())
         if taken:
             return Permit(channel.name, trial=True, version=health.breaker_version)
         if reopen_if_trials_lost(channel, health):

@@ -49,6 +49,34 @@ def test_an_outage_opens_the_shared_breaker_moves_work_to_the_fallback_and_recov
     assert invariants["billed_jobs"] == 9
 
 
+def test_a_trial_permit_taken_long_after_the_breaker_half_opened_is_not_counted_lost(transactional_db):
+    """A half-open breaker may wait a long time for traffic between its trial calls (a probe
+    takes one permit; the next waits for a task). A trial that has just taken the last permit is
+    running, not lost: 'long ago' counts from the last permit taken, not from the half-open move
+    (the POC vendor-outage-fallback saw its breaker reopened under a trial that then succeeded)."""
+    from datetime import timedelta
+
+    from tasks import timescale
+    from tasks.vendors import breaker
+    from tasks.vendors.policies import BreakerPolicy
+
+    VendorChannel.objects.filter(name="primary").update(breaker_open_wait_s=30, breaker_half_open_calls=2)
+    channel = VendorChannel.objects.get(pk="primary")
+    policy = BreakerPolicy.for_channel(channel)
+    breaker._cas(breaker.health_for(channel), "CLOSED", "OPEN", opened_at=timezone.now() - timescale.delta(31))
+    breaker.acquire(channel)  # half-opens the breaker and takes the first permit
+    # ... which was long ago: the first trial reported nothing yet, and traffic comes back only now.
+    ChannelHealth.objects.filter(pk="primary").update(updated_at=timezone.now() - timescale.delta(300) - timedelta(seconds=1))
+    breaker.acquire(channel)  # the last permit, taken now
+    health = ChannelHealth.objects.get(pk="primary")
+    assert health.breaker_state == "HALF_OPEN" and health.half_open_permits_used == 2
+    assert not breaker.trials_lost(health, policy)
+    assert not breaker.reopen_if_trials_lost(channel, health)
+    # Once the last permit has gone unanswered past the bound, the trials are lost.
+    later = timezone.now() + timescale.delta(max(policy.open_wait_s, policy.slow_call_s)) + timedelta(seconds=1)
+    assert breaker.trials_lost(health, policy, now=later)
+
+
 def test_a_half_open_breaker_whose_trial_calls_died_with_their_worker_opens_again_and_recovers(inline_queue, api):
     """A half-open breaker admits a few trial calls and decides on their outcomes. A worker that is
     killed, or cut off from the database, during its trial never reports it: every permit is taken
