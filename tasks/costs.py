@@ -3,14 +3,16 @@
 Off unless SLUICE_COUNT_DIR names a directory. Then every process of the system counts each SQL
 statement it executes and each queue message it sends, and writes its totals to
 `<dir>/<pid>.json` at most every half second (and when asked): a benchmark sums the files before
-and after a run and divides by the tasks it ran. Counting is a few integer additions; nothing
-about the statements themselves is kept.
+and after a run and divides by the tasks it ran. Counting is a few integer additions. Of a
+statement only its kind is kept (its verb and first table, `sql:UPDATE tasks_task`), so the
+benchmark can say where the statements go; never its parameters.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -71,8 +73,28 @@ def totals(folder: Path) -> dict[str, int]:
     return summed
 
 
+_KIND = re.compile(r'\s*(SELECT|INSERT INTO|UPDATE|DELETE FROM|\w+)(?:.*?\b(?:FROM|INTO|UPDATE)\b)?\s*"?(\w*)',
+                   re.IGNORECASE | re.DOTALL)
+_MAIN_AFTER_WITH = re.compile(r'\)\s*(INSERT INTO|UPDATE|DELETE FROM|SELECT)\b\s*"?(\w*)', re.IGNORECASE)
+_TABLED = {"SELECT", "INSERT INTO", "UPDATE", "DELETE FROM"}
+
+
+def kind(sql: str) -> str:
+    """A statement's verb and the first table it names: `SELECT tasks_task`, `SAVEPOINT`; a
+    statement with a WITH clause by its main verb (`WITH INSERT INTO tasks_taskevent`)."""
+    found = _KIND.match(sql[:400])
+    if not found:
+        return "other"
+    verb, table = found.group(1).upper(), found.group(2)
+    if verb == "WITH":
+        main = _MAIN_AFTER_WITH.search(sql)
+        return f"WITH {main.group(1).upper()} {main.group(2)}".strip() if main else "WITH"
+    return f"{verb} {table}".strip() if verb in _TABLED else verb
+
+
 def _statement(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
     count("statements")
+    count(f"sql:{kind(sql)}")
     return execute(sql, params, many, context)
 
 

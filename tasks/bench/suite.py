@@ -63,7 +63,7 @@ class Bench:
         self.log = log
         self.scale = scale
         self.stack = Stack(log_dir=workdir / "logs", env={
-            "SLUICE_TIME_SCALE": str(scale), "SLUICE_DISPATCH_TICK_S": "0.02", "SLUICE_BENCH_VIEWS": "1",
+            "SLUICE_TIME_SCALE": str(scale), "SLUICE_BENCH_VIEWS": "1",
             "SLUICE_LANE_WORKERS": f"interactive={WORKERS // 2},batch={WORKERS // 2},heavy=1,unknown-risk=1",
             "SLUICE_LOG_LEVEL": os.environ.get("SLUICE_BENCH_LOG_LEVEL", "WARNING"), "SLUICE_COUNT_DIR": str(workdir / "costs"),
         })
@@ -202,6 +202,10 @@ class Bench:
         # Everything the system did meanwhile, divided by the tasks (the dispatcher's idle ticks too).
         for key, figure in (("statements", "statements_per_task"), ("queue_messages", "queue_messages_per_task")):
             self.figures[figure] = round((spent.get(key, 0) - costs_before.get(key, 0)) / max(succeeded, 1), 1)
+        # Where they go: per task, by verb and table, the largest first (information).
+        kinds = {key[4:]: (spent[key] - costs_before.get(key, 0)) / max(succeeded, 1) for key in spent if key.startswith("sql:")}
+        self.figures["statements_per_task_by_kind"] = {
+            name: round(value, 1) for name, value in sorted(kinds.items(), key=lambda item: -item[1]) if value >= 0.1}
         self.figures["pipeline_tps"] = round(succeeded / elapsed, 2)
         self.figures["pipeline_tasks"] = count
         self.figures["pipeline_stages_median_s"] = self._stages(ids)

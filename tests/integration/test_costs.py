@@ -68,3 +68,16 @@ def test_many_threads_counting_at_once_never_fail_what_they_count(tmp_path, monk
     costs.flush()
     assert not errors, errors[:3]
     assert costs.totals(tmp_path / "costs")["statements"] >= 2400
+
+
+def test_a_statement_is_counted_by_its_kind_never_by_its_values():
+    assert costs.kind('SELECT "tasks_task"."id" FROM "tasks_task" WHERE "tasks_task"."tenant_id" = %s') == "SELECT tasks_task"
+    assert costs.kind('INSERT INTO "tasks_taskevent" ("task_id") VALUES (%s)') == "INSERT INTO tasks_taskevent"
+    assert costs.kind('UPDATE "tasks_task" SET "state" = %s WHERE ("tasks_task"."id" = %s)') == "UPDATE tasks_task"
+    assert costs.kind('DELETE FROM "django_q_ormq" WHERE "id" = %s') == "DELETE FROM django_q_ormq"
+    assert costs.kind('SAVEPOINT "s1_x1"') == "SAVEPOINT" and costs.kind("BEGIN") == "BEGIN"
+    assert costs.kind('WITH moved AS (UPDATE "tasks_task" SET "generation" = ("tasks_task"."generation" + %s) '
+                      'WHERE ("tasks_task"."id" = %s) RETURNING "id") INSERT INTO "tasks_taskevent" ("task_id") '
+                      'SELECT moved."id" FROM moved') == "WITH INSERT INTO tasks_taskevent"
+    # A literal in the text is not a kind of its own.
+    assert costs.kind("SELECT 'secret-value' FROM \"tasks_task\"") == "SELECT tasks_task"

@@ -125,6 +125,10 @@ class Command(BaseCommand):
                 ok = verdict.get(ratio_key)
                 mark = "—" if ok is None else ("meets" if ok else "MISSES")
                 self.stdout.write(f"  {label:<40} {_fmt(value):>10} {_fmt(ref):>10} {_fmt(ratio):>8} {_fmt(target):>8}  {mark}")
+            kinds = figures.get("statements_per_task_by_kind")
+            if kinds:
+                largest = ", ".join(f"{name} {value:g}" for name, value in list(kinds.items())[:8])
+                self.stdout.write(f"  statements per task, the largest kinds: {largest}")
             matrix = figures.get("matrix")
             if matrix:
                 self.stdout.write(f"  pool size x vendor latency ({matrix['tasks_per_cell']} tasks a cell, deadline 60 s nominal)")
