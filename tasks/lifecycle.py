@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
-from django.db.models import F
+from django.db import connections, transaction
+from django.db.models import F, QuerySet
+from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
 from tasks.models import Task, TaskEvent
@@ -77,24 +78,45 @@ def transition(
     if _PROTECTED & changes.keys():
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
     now = timezone.now()
-    changes["updated_at"] = now
-    # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
-    with transaction.atomic(savepoint=False):
-        updated = Task.objects.filter(pk=task_id, state=source, generation=generation).update(
-            state=target, generation=F("generation") + 1, **changes
-        )
-        if not updated:
-            return None
-        TaskEvent.objects.create(
-            task_id=task_id,
-            from_state=source,
-            to_state=target,
-            generation=generation + 1,
-            actor=actor[:100],
-            reason=reason[:300],
-            data=data or {},
-        )
-    return Moved(generation=generation + 1)
+    changes.update(state=target, generation=F("generation") + 1, updated_at=now)
+    row = Task.objects.filter(pk=task_id, state=source, generation=generation)
+    event = TaskEvent(task_id=task_id, from_state=source, to_state=target, generation=generation + 1,
+                      actor=actor[:100], reason=reason[:300], data=data or {}, at=now)
+    if connections[row.db].vendor == "postgresql":
+        moved = _update_and_record(row, changes, event)
+    else:
+        # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
+        with transaction.atomic(using=row.db, savepoint=False):
+            moved = bool(row.update(**changes))
+            if moved:
+                event.save(using=row.db, force_insert=True)
+    return Moved(generation=generation + 1) if moved else None
+
+
+_EVENT_COLUMNS = ("task_id", "from_state", "to_state", "generation", "actor", "reason", "data", "at")
+
+
+def _update_and_record(row: QuerySet, changes: dict[str, Any], event: TaskEvent) -> bool:
+    """The compare-and-set and its history entry in one statement (PostgreSQL): the UPDATE's
+    RETURNING feeds the INSERT, so the entry exists exactly when the row moved, without a
+    transaction of its own or a second round trip."""
+    connection = connections[row.db]
+    query = row.query.chain(UpdateQuery)
+    query.add_update_values(changes)
+    compiler = query.get_compiler(row.db)
+    compiler.pre_sql_setup()
+    update_sql, update_params = compiler.as_sql()
+    fields = [TaskEvent._meta.get_field(name) for name in _EVENT_COLUMNS]
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+    casts = ", ".join(f"%s::{field.db_type(connection)}" for field in fields[1:])
+    values = [field.get_db_prep_save(getattr(event, field.attname), connection) for field in fields[1:]]
+    pk = connection.ops.quote_name(Task._meta.pk.column)
+    sql = (f"WITH moved AS ({update_sql} RETURNING {pk}) "
+           f"INSERT INTO {connection.ops.quote_name(TaskEvent._meta.db_table)} ({columns}) "
+           f"SELECT moved.{pk}, {casts} FROM moved")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, (*update_params, *values))
+        return cursor.rowcount == 1
 
 
 def task_update(task_id: Any, *, state: State | str, generation: int, expect: dict[str, Any] | None = None,

@@ -92,3 +92,38 @@ def test_state_and_generation_cannot_be_smuggled_in_as_extra_fields(db, api):
     with pytest.raises(lifecycle.IllegalTransition):
         lifecycle.task_update(task.pk, state=task.state, generation=task.generation, tenant_id=None)
     assert Task.objects.get(pk=task.pk).state == "ACCEPTED"
+
+
+def test_a_transition_writes_its_fields_and_exactly_one_history_entry_or_nothing(db, api):
+    """The compare-and-set and its history entry (on PostgreSQL one statement): the entry carries
+    what the caller said, expressions and related rows in the fields are applied, and a
+    transition that lost its compare-and-set leaves neither a change nor an entry."""
+    from django.db import connection
+    from django.db.models import F
+
+    task = Task.objects.select_related("lane").get(pk=submit_file(api))
+    statements: list[str] = []
+
+    def spy(execute, sql, params, many, context):
+        statements.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(spy):
+        moved = lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
+                                     actor="a" * 150, reason="into the lane", data={"lane": "batch", "pages": None},
+                                     fields=dict(lane=task.lane, attempts=F("attempts") + 2, error_code="x"))
+    assert moved is not None and moved.generation == task.generation + 1
+    after = Task.objects.get(pk=task.pk)
+    assert (after.state, after.generation, after.attempts, after.error_code) == ("QUEUED", task.generation + 1,
+                                                                                 task.attempts + 2, "x")
+    event = TaskEvent.objects.get(task=task, to_state="QUEUED")
+    assert (event.from_state, event.generation, event.actor, event.reason, event.data) == (
+        "ACCEPTED", task.generation + 1, "a" * 100, "into the lane", {"lane": "batch", "pages": None})
+    writes = [s for s in statements if not s.startswith(("SAVEPOINT", "RELEASE", "BEGIN"))]
+    assert len(writes) == (1 if connection.vendor == "postgresql" else 2), writes
+
+    # The same transition again, from the generation it started at: lost, and nothing written.
+    assert lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
+                                actor="late", reason="late") is None
+    assert Task.objects.get(pk=task.pk).generation == task.generation + 1
+    assert TaskEvent.objects.filter(task=task, to_state="QUEUED").count() == 1
