@@ -50,16 +50,16 @@ def run_step(step: str, task_id: str, generation: int) -> str:
     outcome = handlers[step](task_id, int(generation))
     log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
               duration_ms=int((time.monotonic() - started) * 1000))
-    if step == "precheck" and outcome == "queued":
+    if step == "precheck" and outcome == "queued_here":
         # Admitted at once into this very lane: start here instead of queueing the start
-        # behind other messages (admission sent no start message for it).
-        row = _dispatched_here(task_id)
-        if row is not None:
-            step, generation = "start", row["generation"]
-            started = time.monotonic()
-            outcome = execution.step_start(task_id, generation)
-            log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
-                      duration_ms=int((time.monotonic() - started) * 1000))
+        # behind other messages (admission sent no start message for it). Its generation is the
+        # pre-check's one transition on (admission does not move it); were it not, the start
+        # would answer "stale" and the dispatcher send the start it presumes lost.
+        step, generation = "start", int(generation) + 1
+        started = time.monotonic()
+        outcome = execution.step_start(task_id, generation)
+        log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
+                  duration_ms=int((time.monotonic() - started) * 1000))
     if step != "precheck" and outcome not in ("stale", "busy", "lost_claim"):
         from tasks.models import Task
         from tasks.states import IN_FLIGHT_STATES
@@ -70,18 +70,6 @@ def run_step(step: str, task_id: str, generation: int) -> str:
             # offered it in dispatch order (interactive first), not only the task's own lane.
             dispatch_soon(None)
     return outcome
-
-
-def _dispatched_here(task_id: str) -> dict | None:
-    """The task's row if it was dispatched into the lane whose cluster runs this worker."""
-    from tasks.models import Task
-    from tasks.states import State
-
-    lane = os.environ.get("Q_CLUSTER_NAME")
-    if not lane:
-        return None
-    return Task.objects.filter(pk=task_id, state=State.QUEUED, dispatched_at__isnull=False, lane_id=lane).values(
-        "generation").first()
 
 
 @entry_point

@@ -503,7 +503,7 @@ def _uuid_or_none(value: str):
 def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str | None = None) -> str:
     """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
     workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
-    itself if it is admitted into that lane at once."""
+    itself if it is admitted into that lane at once ("queued_here": no start message was sent)."""
     task = Task.objects.select_related("file", "lane", "tenant").filter(pk=task_id).first()
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
         return "stale"
@@ -554,5 +554,8 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
         data={"lane": lane.name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")},
     )
     if moved and not lane.paused:
-        admit_lane(lane, timezone.now(), starting_here=task.pk if lane.name == worker_lane else None)
+        here = lane.name == worker_lane
+        sent = admit_lane(lane, timezone.now(), starting_here=task.pk if here else None)
+        if here and any(str(task_id) == str(task.pk) for task_id, _, _ in sent):
+            return "queued_here"
     return "queued"
