@@ -73,7 +73,7 @@ def totals(folder: Path) -> dict[str, int]:
     return summed
 
 
-_KIND = re.compile(r'\s*(SELECT|INSERT INTO|UPDATE|DELETE FROM|\w+)(?:.*?\b(?:FROM|INTO|UPDATE)\b)?\s*"?(\w*)',
+_KIND = re.compile(r'\s*(?:(INSERT INTO|UPDATE|DELETE FROM)\s*"?(\w*)|(SELECT)(?:.*?\bFROM\b)?\s*"?(\w*)|(\w+))',
                    re.IGNORECASE | re.DOTALL)
 _MAIN_AFTER_WITH = re.compile(r'\)\s*(INSERT INTO|UPDATE|DELETE FROM|SELECT)\b\s*"?(\w*)', re.IGNORECASE)
 _TABLED = {"SELECT", "INSERT INTO", "UPDATE", "DELETE FROM"}
@@ -85,7 +85,8 @@ def kind(sql: str) -> str:
     found = _KIND.match(sql[:400])
     if not found:
         return "other"
-    verb, table = found.group(1).upper(), found.group(2)
+    verb = (found.group(1) or found.group(3) or found.group(5)).upper()
+    table = found.group(2) or found.group(4) or ""
     if verb == "WITH":
         main = _MAIN_AFTER_WITH.search(sql)
         return f"WITH {main.group(1).upper()} {main.group(2)}".strip() if main else "WITH"

@@ -82,17 +82,24 @@ class Bench:
         self.headers = {"Authorization": f"Bearer {self.token}"}
         self.web_url = self.stack.start_web(workers=2, threads=8)
 
-    def lane_limits_at_real_length(self) -> None:
-        """The time scale that makes the vendor answer at once also shortens the lanes' waiting
-        limits: at 0.01 the interactive lane's queue deadline (300 s) is 3 real seconds, its
-        admission closes once the oldest task has waited 1.5 s and an attempt is fenced after 9 s,
-        so a burst of 150 submissions is refused (503 backlog_full), expires waiting or is sent to
-        reconcile, and the figures would measure that instead of the pipeline. The throughput sections keep those limits at their real length (the matrix,
+    def limits_at_real_length(self) -> None:
+        """The time scale that makes the vendor answer at once also shortens every limit: at 0.01
+        the interactive lane's queue deadline (300 s) is 3 real seconds, its admission closes once
+        the oldest task has waited 1.5 s, an attempt is fenced after 9 s, and a vendor call times
+        out after 0.1 s (status) or 0.05 s (connect). A burst of 150 submissions would then be
+        refused (503 backlog_full), expire waiting, or have its creates time out on a busy machine
+        and wait seconds in reconciliation, and the figures would measure that instead of the
+        pipeline. The throughput sections keep those limits at their real length (the matrix,
         which measures deadlines, keeps them scaled)."""
         for lane in Lane.objects.all():
             Lane.objects.filter(pk=lane.pk).update(queue_deadline_s=lane.queue_deadline_s / self.scale,
                                                    oldest_wait_limit_s=lane.oldest_wait_limit_s / self.scale,
                                                    execution_timeout_s=lane.execution_timeout_s / self.scale)
+        timeouts = ("connect_timeout_s", "status_timeout_s", "result_timeout_s", "upload_buffer_s",
+                    "upload_timeout_floor_s", "upload_fixed_timeout_s")
+        for channel in VendorChannel.objects.all():
+            VendorChannel.objects.filter(pk=channel.pk).update(
+                **{name: getattr(channel, name) / self.scale for name in timeouts})
 
     def start_workers(self) -> None:
         self.stack.start_dispatcher()
@@ -597,7 +604,7 @@ class Bench:
             return not only or section in only
 
         self.start()
-        self.lane_limits_at_real_length()
+        self.limits_at_real_length()
         try:
             if wanted("uploads"):
                 self.uploads()

@@ -81,3 +81,6 @@ def test_a_statement_is_counted_by_its_kind_never_by_its_values():
                       'SELECT moved."id" FROM moved') == "WITH INSERT INTO tasks_taskevent"
     # A literal in the text is not a kind of its own.
     assert costs.kind("SELECT 'secret-value' FROM \"tasks_task\"") == "SELECT tasks_task"
+    # PostgreSQL's bulk insert reads from UNNEST: the table is the one inserted into.
+    assert costs.kind('INSERT INTO "tasks_vendorcall" ("a", "b") SELECT * FROM UNNEST((%s)::integer[], (%s)::text[])') == \
+        "INSERT INTO tasks_vendorcall"
