@@ -50,26 +50,53 @@ def run_step(step: str, task_id: str, generation: int) -> str:
     outcome = handlers[step](task_id, int(generation))
     log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
               duration_ms=int((time.monotonic() - started) * 1000))
+    here = None
     if step == "precheck" and outcome == "queued_here":
-        # Admitted at once into this very lane: start here instead of queueing the start
-        # behind other messages (admission sent no start message for it). Its generation is the
-        # pre-check's one transition on (admission does not move it); were it not, the start
-        # would answer "stale" and the dispatcher send the start it presumes lost.
-        step, generation = "start", int(generation) + 1
+        # Admitted at once into this very lane by its own admission pass (which sent no start
+        # message for it): its generation is the pre-check's one transition on (admission does
+        # not move it); were it not, the start would answer "stale" and the dispatcher send the
+        # start it presumes lost.
+        here = int(generation) + 1
+    elif step == "precheck" and outcome == "queued":
+        # Another pass may have admitted it meanwhile (and sent its start message): it is
+        # started here all the same, not behind the pre-checks queued on this lane's cluster.
+        row = _dispatched_here(task_id)
+        here = row["generation"] if row is not None else None
+    if here is not None:
+        step, generation = "start", here
         started = time.monotonic()
         outcome = execution.step_start(task_id, generation)
         log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
                   duration_ms=int((time.monotonic() - started) * 1000))
-    if step != "precheck" and outcome not in ("stale", "busy", "lost_claim"):
-        from tasks.models import Task
-        from tasks.states import IN_FLIGHT_STATES
-
-        row = Task.objects.filter(pk=task_id).values("state").first()
-        if row and row["state"] not in IN_FLIGHT_STATES:
-            # The task left its slots. Its vendor slot is shared by every lane, so the lanes are
-            # offered it in dispatch order (interactive first), not only the task's own lane.
-            dispatch_soon(None)
+    if step != "precheck" and outcome not in ("stale", "busy", "lost_claim") and _left_its_slots(task_id, outcome):
+        # The task left its slots. Its vendor slot is shared by every lane, so the lanes are
+        # offered it in dispatch order (interactive first), not only the task's own lane.
+        dispatch_soon(None)
     return outcome
+
+
+def _dispatched_here(task_id: str) -> dict | None:
+    """The task's row if it was dispatched into the lane whose cluster runs this worker."""
+    from tasks.models import Task
+    from tasks.states import State
+
+    lane = os.environ.get("Q_CLUSTER_NAME")
+    if not lane:
+        return None
+    return Task.objects.filter(pk=task_id, state=State.QUEUED, dispatched_at__isnull=False, lane_id=lane).values(
+        "generation").first()
+
+
+def _left_its_slots(task_id: str, outcome: str) -> bool:
+    """Whether the task is no longer in flight: a step that moved it to SUCCEEDED says so itself,
+    any other outcome is read from its row."""
+    from tasks.models import Task
+    from tasks.states import IN_FLIGHT_STATES
+
+    if outcome == "succeeded":
+        return True
+    row = Task.objects.filter(pk=task_id).values("state").first()
+    return bool(row) and row["state"] not in IN_FLIGHT_STATES
 
 
 @entry_point

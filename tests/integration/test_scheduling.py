@@ -239,3 +239,25 @@ def test_channel_budgets_hold_across_worker_processes(vendor, api, tmp_path):
     assert seen["max_concurrent_jobs_by_channel"]["primary"] <= 3
     assert seen["max_concurrent_uploads_by_channel"]["primary"] <= 2
     assert seen["billed_jobs"] == 14 and seen["duplicate_billed_client_refs"] == []
+
+
+def test_a_task_another_pass_admitted_during_its_pre_check_starts_on_the_pre_checks_worker(vendor, api, monkeypatch):
+    """The pre-check runs on the lane's own cluster and starts the task it admits itself. When
+    another pass (the dispatcher, another worker) admits it first, its start message is queued on
+    that cluster behind the lane's pre-checks: the pre-check's worker starts it all the same, so
+    the task does not wait for them (POC corrupt-file's interactive wait reached 27 s nominal)."""
+    from tasks import workers
+    from tasks.services import intake
+
+    admit = intake.admit_lane
+
+    def another_pass_first(lane, now, **kwargs):
+        admit(lane, now)  # someone else's pass: it admits the lane's waiting tasks and sends their starts
+        return admit(lane, now, **kwargs)
+
+    monkeypatch.setattr(intake, "admit_lane", another_pass_first)
+    monkeypatch.setenv("Q_CLUSTER_NAME", "interactive")
+    task = Task.objects.get(pk=submit_file(api, priority="interactive"))
+    workers.run_step("precheck", str(task.pk), task.generation)
+    started = Task.objects.get(pk=task.pk)
+    assert started.lane_id == "interactive" and started.state in ("RUNNING", "SUCCEEDED"), started.state

@@ -33,8 +33,10 @@ def leased(task_id: Any, generation: int, state: State, body, *, phase: str | No
     if lease is None:
         return "busy"
     started = time.monotonic()
+    outcome = None
     try:
-        return body(task)
+        outcome = body(task)
+        return outcome
     except Exception as exc:
         step_crashed(task, exc)
         return "crashed"
@@ -42,7 +44,8 @@ def leased(task_id: Any, generation: int, state: State, body, *, phase: str | No
         step_interrupted(task, stop, started)
         raise
     finally:
-        lease.release()
+        # A step that moved the task to SUCCEEDED let its lease go with that move.
+        lease.release(row=outcome != "succeeded")
 
 
 def step_interrupted(task: Task, stop: SystemExit, started: float) -> None:

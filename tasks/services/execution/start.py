@@ -81,8 +81,9 @@ def step_start(task_id: Any, generation: int) -> str:
     task.state, task.generation, task.attempts = S.RUNNING, moved.generation, task.attempts + 1
     lease = Lease.adopt(task)
     started = time.monotonic()
+    ended = None
     try:
-        submit(task, lease)
+        ended = submit(task, lease)
     except Exception as exc:
         step_crashed(task, exc)
         return "crashed"
@@ -90,12 +91,14 @@ def step_start(task_id: Any, generation: int) -> str:
         step_interrupted(task, stop, started)
         raise
     finally:
-        lease.release()
-    return "started"
+        # A task that succeeded in this step let its lease go with that move: nothing to release.
+        lease.release(row=ended != "succeeded")
+    return "succeeded" if ended == "succeeded" else "started"
 
 
-def submit(task: Task, lease: Lease) -> None:
-    """Upload (two-step) and create the vendor job with the key persisted at dispatch."""
+def submit(task: Task, lease: Lease) -> str | None:
+    """Upload (two-step) and create the vendor job with the key persisted at dispatch; what came
+    of the job when the vendor created it finished (fetched in this step: "succeeded", ...)."""
     g = task.generation
     channel = task.channel
     vendor = vendor_of(task)
@@ -131,13 +134,13 @@ def submit(task: Task, lease: Lease) -> None:
         slots_release(task.pk, UPLOAD, reason="upload stopped")
         lease.release()
         log_event("upload_stopped", task_id=task.pk, generation=g, reason="fenced or cancel requested")
-        return
+        return None
     except VendorError as err:
         hold = upload_drain_s(channel) if err.bytes_sent and err.outcome == Outcome.AMBIGUOUS else 0.0
         slots_release(task.pk, UPLOAD, reason="upload ended", hold_s=hold)
         Attempt.objects.filter(task=task, generation=g).update(upload_ms=int((time.monotonic() - started) * 1000))
         _submit_failed(task, err, stage=stage)
-        return
+        return None
     if not uploaded:
         slots_release(task.pk, UPLOAD, reason="upload done")
     Attempt.objects.filter(task=task, generation=g).update(
@@ -152,7 +155,8 @@ def submit(task: Task, lease: Lease) -> None:
         audit_duplicates(task, channel, vendor, keep_job_id=created.job.id)
     if finished and job is not None:
         lease.heartbeat()  # renewed before the download, as between upload chunks
-        job_seen(task, job, created.job)
+        return job_seen(task, job, created.job)
+    return None
 
 
 def uses_two_step(channel: VendorChannel, capabilities: Capabilities) -> bool:
