@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import Sum
+from django.db.models import QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -198,6 +198,12 @@ def lane_counts_by_tenant(lane_name: str) -> dict[Any, dict[str, int]]:
     """A lane's tasks in each stage, per tenant (tenants with none left out)."""
     rows = LaneTenantLoad.objects.filter(lane=lane_name).values("tenant", *STAGES)
     return {row["tenant"]: {name: row[name] for name in STAGES} for row in rows if any(row[name] for name in STAGES)}
+
+
+def lanes_with_queued() -> QuerySet:
+    """The names of the lanes with tasks waiting for admission (QUEUED, not yet dispatched), as a
+    subquery: the few counter rows instead of the task table."""
+    return LaneTenantLoad.objects.filter(queued__gt=0).values("lane")
 
 
 def tenant_counts(tenant_id: Any) -> dict[str, int]:

@@ -95,7 +95,3 @@ def lane_slots_by_tenant(lane: Lane) -> dict:
     counter rows (a row per tenant, whatever the backlog)."""
     return {tenant: (n["dispatched"] + n["in_flight"], n["queued"])
             for tenant, n in counters.lane_counts_by_tenant(lane.pk).items()}
-
-
-def lane_has_room(lane: Lane) -> bool:
-    return counters.lane_counts(lane.pk)["queued"] < lane.max_queued

@@ -19,7 +19,7 @@ from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
-from tasks import lifecycle, timescale
+from tasks import counters, lifecycle, timescale
 from tasks.lifecycle import task_update
 from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, VendorJob
 from tasks.observability import log_event
@@ -295,10 +295,10 @@ def admit_waiting(now: datetime) -> int:
 
 
 def lanes_with_waiting_work() -> list[Lane]:
-    """The unpaused lanes that have queued tasks not yet dispatched, in dispatch order (one look
-    at the task table instead of one per lane)."""
-    waiting = set(_waiting_for_admission().values_list("lane_id", flat=True).distinct())
-    return list(Lane.objects.filter(paused=False, pk__in=waiting).order_by("dispatch_order")) if waiting else []
+    """The unpaused lanes that have queued tasks not yet dispatched, in dispatch order: one
+    statement, from the lanes' counter rows (what admission's own first look reads), whatever
+    the backlog."""
+    return list(Lane.objects.filter(paused=False, pk__in=counters.lanes_with_queued()).order_by("dispatch_order"))
 
 
 def _deferred(now: datetime | None = None) -> QuerySet:
@@ -325,18 +325,23 @@ def admit_deferred(now: datetime) -> int:
     return moved_count
 
 
-def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None) -> list[tuple[Any, int, str]]:
+def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
+               looked: dict | None = None) -> list[tuple[Any, int, str]]:
     """Dispatch the lane's waiting tasks into free slots: fair share by tenant weight, with aging.
 
     `starting_here`: a task the calling worker will start itself if it is admitted (a pre-check
     that queued it on the lane's own cluster); no start message is sent for it. If that worker
-    dies first, the start is presumed lost and sent by the dispatcher (resend_lost_starts)."""
+    dies first, the start is presumed lost and sent by the dispatcher (resend_lost_starts).
+    `looked`: the lane's `lane_slots_by_tenant` as the caller just read it, having queued a task
+    since (the pre-check), so the lane has work and only its free slots are looked at here."""
     sent: list[tuple[Any, int, str]] = []
     # A cheap look first (one statement): most passes have nothing to admit or no free slot, and
     # the lock is a write lock on SQLite. Both are looked at again under the lock.
-    standing = lane_slots_by_tenant(lane)
-    if not any(waiting for _, waiting in standing.values()):
-        return sent
+    standing = looked
+    if standing is None:
+        standing = lane_slots_by_tenant(lane)
+        if not any(waiting for _, waiting in standing.values()):
+            return sent
     if lane.max_running - sum(running for running, _ in standing.values()) <= 0:
         return sent
     with dispatch_lock():

@@ -34,13 +34,18 @@ from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_step_on_commit
 from tasks.scheduling.admission import LaneLoad, admission_gate
-from tasks.scheduling.lanes import ROUTING, lane_has_room
+from tasks.scheduling.lanes import ROUTING, lane_slots_by_tenant
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
 from tasks.services.dispatch import admit_lane
 from tasks.services.execution import Lease
 from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
-from tasks.services.quarantine import file_precheck, poison_binding
+from tasks.services.quarantine import (
+    content_entries,
+    file_precheck,
+    poison_binding,
+    released_from_poison,
+)
 from tasks.states import State
 from tasks.storage import delete_stored, store_stream
 
@@ -285,15 +290,15 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
                    .only("pk", "key", "fingerprint", "task_id")} if key_taken else {}
         now = timezone.now()
 
-        def decide(lanes: _Lanes) -> _Decided:
-            usage = QuotaUsage.read(tenant, quota, now=now) if counts_submissions(quota) else None
+        def decide(lanes: _Lanes, at) -> _Decided:
+            usage = QuotaUsage.read(tenant, quota, now=at) if counts_submissions(quota) else None
             return _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files, key_taken=key_taken,
-                           records=records, quota=quota, usage=usage, lanes=lanes, actor=actor, now=now)
+                           records=records, quota=quota, usage=usage, lanes=lanes, actor=actor, now=at)
 
         decided = None
         if tentative:
             try:
-                decided = decide(_Lanes(lane_names, tentative=True))
+                decided = decide(_Lanes(lane_names, tentative=True), now)
             except _GateClosed:
                 locks.hold(*held)
         if decided is not None and decided.accepted:
@@ -307,7 +312,9 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
                 locks.hold(*held)
                 decided = None
         if decided is None:
-            decided = decide(_Lanes(lane_names))
+            # Taken under the locks, it is taken now: after a long wait for them, the stamp read
+            # before would make this request's own tasks look long overdue to its lane's gate.
+            decided = decide(_Lanes(lane_names), now if not tentative else timezone.now())
             _write(tenant, decided, records)
         for _, task, _ in decided.accepted:
             # Pre-checks run on the workers of the task's provisional lane: a batch flood's
@@ -511,8 +518,9 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
     if lease is None:
         return "busy"
     file = task.file
+    entries = content_entries(task.tenant_id, file.sha256)
     if file.precheck_state == FileVersion.Precheck.PENDING:
-        file = file_precheck(file=file)
+        file = file_precheck(file=file, entries=entries)
     findings = file.precheck_findings or {}
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
         task_move(
@@ -534,13 +542,13 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
         return "input_mismatch"
     # Content let out of quarantine (by an operator, or lifted after an engine upgrade) runs in
     # the unknown-risk lane, under its strict budget, whichever upload of it this is.
-    released = bool(findings.get("released")) or Quarantine.objects.filter(
-        tenant_id=task.tenant_id, sha256=file.sha256, released_at__isnull=False, reason=Quarantine.Reason.POISON,
-    ).exists()
+    released = bool(findings.get("released")) or released_from_poison(entries)
     lane_name = ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released)
     lane = task.lane if task.lane_id == lane_name else Lane.objects.get(pk=lane_name)
     units = _estimated_units(task.kind, findings)
-    if task.deferred or not lane_has_room(lane):
+    # The lane's load per tenant, read once: its backlog limit here, its free slots in admission.
+    standing = lane_slots_by_tenant(lane)
+    if task.deferred or sum(waiting for _, waiting in standing.values()) >= lane.max_queued:
         task_update(task.pk, state=State.ACCEPTED, generation=generation, lane=lane, deferred=True,
                     estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None)
         return "deferred"
@@ -555,7 +563,7 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
     )
     if moved and not lane.paused:
         here = lane.name == worker_lane
-        sent = admit_lane(lane, timezone.now(), starting_here=task.pk if here else None)
+        sent = admit_lane(lane, timezone.now(), starting_here=task.pk if here else None, looked=standing)
         if here and any(str(task_id) == str(task.pk) for task_id, _, _ in sent):
             return "queued_here"
     return "queued"

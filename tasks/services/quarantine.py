@@ -27,8 +27,21 @@ POISON_FAILURES = 3
 VENDOR_REFUSAL_CODES_EXCLUDED = ("deadline_exceeded", "retries_exhausted", "quarantined", "input_mismatch")
 
 
-def file_precheck(*, file: FileVersion) -> FileVersion:
-    """Run the sandboxed pre-check once per file version and record what it found."""
+def content_entries(tenant_id: Any, sha256: str) -> list[dict[str, Any]]:
+    """The quarantine entries of a tenant's content (usually none), read once for a pre-check's
+    decisions: which entries of an older detector its verdict releases, whether an operator let
+    the content out of a poison quarantine."""
+    return list(Quarantine.objects.filter(tenant_id=tenant_id, sha256=sha256).values(
+        "pk", "reason", "released_at", "purged_at", "detector_version"))
+
+
+def released_from_poison(entries: list[dict[str, Any]]) -> bool:
+    return any(e["reason"] == Quarantine.Reason.POISON and e["released_at"] is not None for e in entries)
+
+
+def file_precheck(*, file: FileVersion, entries: list[dict[str, Any]] | None = None) -> FileVersion:
+    """Run the sandboxed pre-check once per file version and record what it found. `entries`:
+    the content's quarantine entries as `content_entries` read them (read here if not given)."""
     with local_copy(file.storage_name) as source:
         result = run_precheck(source, file.extension)
     state = FileVersion.Precheck.PASSED if result.verdict == "pass" else FileVersion.Precheck.QUARANTINED
@@ -44,11 +57,14 @@ def file_precheck(*, file: FileVersion) -> FileVersion:
     else:
         # The same content held by an older version of the pre-check passes now: that entry was
         # a verdict of the detector it was made by, not of the content forever.
-        Quarantine.objects.filter(
-            tenant_id=file.tenant_id, sha256=file.sha256, released_at__isnull=True, purged_at__isnull=True,
-        ).exclude(detector_version=file.precheck_version).exclude(reason=Quarantine.Reason.POISON).update(
-            released_at=timezone.now(), released_by=f"re-evaluated by {file.precheck_version}"[:150],
-        )
+        if entries is None:
+            entries = content_entries(file.tenant_id, file.sha256)
+        older = [e["pk"] for e in entries if e["released_at"] is None and e["purged_at"] is None
+                 and e["detector_version"] != file.precheck_version and e["reason"] != Quarantine.Reason.POISON]
+        if older:
+            Quarantine.objects.filter(pk__in=older, released_at__isnull=True).update(
+                released_at=timezone.now(), released_by=f"re-evaluated by {file.precheck_version}"[:150],
+            )
     log_event("precheck", file_id=file.pk, decision=result.verdict, reason=result.reason)
     return file
 

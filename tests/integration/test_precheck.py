@@ -151,3 +151,30 @@ def test_a_pre_check_left_behind_by_a_dead_worker_is_killed_and_its_temp_dir_rem
     (_registry() / str(orphan.pid)).write_text(json.dumps({"parent": dead_parent.pid, "tmp": str(scratch)}))
     assert kill_orphans() == 1
     assert orphan.wait(timeout=5) < 0 and not scratch.exists()
+
+
+def test_a_pre_check_reads_its_lane_load_and_its_content_quarantine_entries_once(api):
+    """The step every task runs: the content's quarantine entries are read once (for the older
+    detector's entries its verdict releases and for a poison release), and the lane's load once
+    before the task is queued (its backlog limit, then admission's look at free slots), once more
+    under the dispatch lock. It read each of them once more before."""
+    from collections import Counter
+
+    from django.db import connection
+
+    from tasks import costs
+    from tasks.services.intake import task_precheck_and_route
+
+    task = Task.objects.get(pk=submit_file(api))
+    kinds: Counter = Counter()
+
+    def spy(execute, sql, params, many, context):
+        kinds[costs.kind(sql)] += 1
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(spy):
+        assert task_precheck_and_route(task.pk, task.generation) == "queued"
+    after = Task.objects.get(pk=task.pk)
+    assert after.state == "QUEUED" and after.dispatched_at is not None, "admitted in the same step"
+    assert kinds["SELECT tasks_quarantine"] == 1 and kinds["UPDATE tasks_quarantine"] == 0, kinds
+    assert kinds["SELECT tasks_lanetenantload"] == 2, kinds

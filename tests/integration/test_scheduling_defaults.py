@@ -257,6 +257,78 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
         assert seen["locks_at_second_read"] == 1, "the second decision must hold the lane's lock"
 
 
+def test_a_batch_that_waited_for_its_lane_past_the_oldest_wait_limit_is_not_closed_out_by_its_own_tasks(
+        transactional_db, api, token):
+    """PostgreSQL decides a submission on an unlocked read, writes its rows, then checks the
+    decision against a read under the lane's lock. A batch to an empty lane that waits for that
+    lock longer than the lane's oldest-wait limit reads its own first task as the lane's oldest
+    waiting one: it counts as arriving at the decision, so its second task does not find the gate
+    closing, and the decision stands without a rollback and a second decision."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+    from django.test import Client
+
+    from tasks import locks
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the decision on an unlocked read is PostgreSQL's (SQLite's one writer serialises intake)")
+    lane = Lane.objects.get(pk="interactive")
+    limit_s = 10.0  # nominal: half a second at the tests' time scale
+    Lane.objects.filter(pk=lane.pk).update(oldest_wait_limit_s=limit_s)
+    items = [{**_body(api, i), "idempotency_key": f"own-{i}"} for i in range(2)]
+    held, release = threading.Event(), threading.Event()
+    rolled_back: list[str] = []
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                locks.hold(("lane-gate", "interactive"))
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    def spy(execute, sql, params, many, context):
+        if sql.startswith("ROLLBACK TO SAVEPOINT"):
+            rolled_back.append(sql)
+        return execute(sql, params, many, context)
+
+    answers: list = []
+
+    def submit() -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with connection.execute_wrapper(spy):
+                answers.append(client.post("/api/v1/tasks/batch", data=json.dumps({"items": items}),
+                                           content_type="application/json"))
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    late = threading.Thread(target=submit)
+    late.start()
+    with connection.cursor() as cursor:  # the batch has written its tasks and waits for the lane
+        for _ in range(250):
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+            if cursor.fetchone()[0]:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the batch never waited for the lane's lock")
+    time.sleep(timescale.seconds(limit_s) * 2)
+    release.set()
+    holder.join(30)
+    late.join(30)
+    assert answers and answers[0].status_code == 200, answers and answers[0].content
+    assert [r["status"] for r in answers[0].json()["data"]] == [202, 202], answers[0].json()
+    assert Task.objects.filter(lane="interactive").count() == 2
+    assert not rolled_back, "the batch's own task was read as a lane's task waiting past its limit"
+
+
 def test_admission_closes_while_the_oldest_queued_task_has_waited_too_long(transactional_db, api):
     lane = Lane.objects.get(pk="interactive")
     # Another tenant's task has waited past the lane's default limit (half its queue deadline).
