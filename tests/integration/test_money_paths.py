@@ -279,3 +279,21 @@ def test_ledger_sync_that_cannot_finish_says_incomplete_and_retries_later(inline
     assert "incomplete" in report.summary and "will retry" in report.summary
     health = ChannelHealth.objects.get(pk="primary")
     assert health.ledger_sync_due_at is not None and health.ledger_sync_status.startswith("incomplete")
+
+
+def test_a_job_the_vendor_answers_again_for_a_replayed_key_is_recorded_once(api):
+    """A create answered with a job Sluice already recorded (a replayed key) finds its record
+    instead of failing or writing a second one: one job, one billing, no incident."""
+    from tasks.services.execution.jobs import record_job
+    from tasks.vendors.protocol import JobView
+
+    task = Task.objects.select_related("channel").get(pk=submit_file(api))
+    channel = VendorChannel.objects.get(name="primary")
+    view = JobView(id="job-replayed-1", status="queued", client_ref=f"{task.pk}-1", amount_cents=12)
+    first = record_job(task, channel, view, adopted=False)
+    again = record_job(task, channel, view, adopted=False)
+    assert again.pk == first.pk and VendorJob.objects.filter(task=task).count() == 1
+    assert not DuplicateIncident.objects.filter(task=task).exists()
+    # Another job for the same task is a second billing: reported at once.
+    record_job(task, channel, JobView(id="job-replayed-2", status="queued", client_ref=f"{task.pk}-1"), adopted=False)
+    assert DuplicateIncident.objects.get(task=task).duplicate_job_ids == ["job-replayed-2"]

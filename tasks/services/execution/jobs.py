@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from tasks import lifecycle, timescale
@@ -56,16 +57,21 @@ def vendor_of(task: Task) -> VendorAdapter:
 def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None) -> VendorJob:
     """A job exists at the vendor: record it whatever happens to the task (it holds budget, and it
     was billed: a second job of the same task is reported at once)."""
-    job, created = VendorJob.objects.get_or_create(
-        channel=channel, vendor_job_id=view.id,
-        defaults=dict(
-            task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
-            status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
-            billing_unit=view.billing_unit or "", amount_cents=view.amount_cents, input_sha256=view.input_sha256,
-            result_sha256=view.result_sha256 or "", result_size=view.result_size, engine_version=view.engine_version[:64],
-            terminal_at=timezone.now() if view.terminal else None,
-        ),
+    fields = dict(
+        task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
+        status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
+        billing_unit=view.billing_unit or "", amount_cents=view.amount_cents, input_sha256=view.input_sha256,
+        result_sha256=view.result_sha256 or "", result_size=view.result_size, engine_version=view.engine_version[:64],
+        terminal_at=timezone.now() if view.terminal else None,
     )
+    if adopted:  # found at the vendor: often recorded already
+        job, created = VendorJob.objects.get_or_create(channel=channel, vendor_job_id=view.id, defaults=fields)
+    else:  # just created: new but for a replayed key, so written first and read only if it was known
+        try:
+            with transaction.atomic():
+                job, created = VendorJob.objects.create(channel=channel, vendor_job_id=view.id, **fields), True
+        except IntegrityError:
+            job, created = VendorJob.objects.get(channel=channel, vendor_job_id=view.id), False
     if view.terminal and not created:
         vendor_job_terminal(job, view.status)
     if created:
