@@ -237,14 +237,7 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
     late = threading.Thread(target=submit_late)
     late.start()
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:  # the late submission has written its task and waits for the lane
-            for _ in range(250):
-                cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                if cursor.fetchone()[0]:
-                    break
-                time.sleep(0.02)
-            else:
-                raise AssertionError("the late submission never waited for the lane's lock")
+        _until_a_lock_is_awaited("the late submission")  # it has written its task and waits for the lane
     else:
         time.sleep(0.3)  # SQLite: it waits for the write lock before it reads anything
     release.set()
@@ -311,14 +304,7 @@ def test_a_batch_that_waited_for_its_lane_past_the_oldest_wait_limit_is_not_clos
     assert held.wait(10)
     late = threading.Thread(target=submit)
     late.start()
-    with connection.cursor() as cursor:  # the batch has written its tasks and waits for the lane
-        for _ in range(250):
-            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-            if cursor.fetchone()[0]:
-                break
-            time.sleep(0.02)
-        else:
-            raise AssertionError("the batch never waited for the lane's lock")
+    _until_a_lock_is_awaited("the batch")  # it has written its tasks and waits for the lane
     time.sleep(timescale.seconds(limit_s) * 2)
     release.set()
     holder.join(30)
@@ -346,6 +332,21 @@ def test_the_active_worker_gate_closes_a_busy_lane_with_a_backlog(transactional_
     queued_task(other, lane, waited_s=1, index=9)
     answer = api.post("/api/v1/tasks", data=json.dumps(_body(api, 2)), content_type="application/json")
     assert answer.status_code == 503 and "slots are busy" in answer.json()["detail"]
+
+
+def _until_a_lock_is_awaited(who: str) -> None:
+    """Wait (5 s at most) until some PostgreSQL session waits for an advisory lock."""
+    import time
+
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        for _ in range(250):
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"{who} never waited for the lane's lock")
 
 
 def _body(api, index: int) -> dict:
