@@ -7,6 +7,8 @@ import re
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
@@ -45,10 +47,34 @@ def test_the_rollup_counts_each_minute_per_lane_and_channel(api):
     assert HistoryMinute.objects.get(minute=minute, scope="channel", key="fallback").succeeded == 1
     assert HistoryMinute.objects.get(minute=minute + timedelta(minutes=1), scope="all").succeeded == 1
     assert HistoryMinute.objects.get(minute=floor_minute(now), scope="all").submitted == 5
-    # Recomputing is safe: the same numbers, no second row.
+    # Recomputing is safe: the same numbers, no second row; a late write is caught up in place.
     history_rollup(now)
     assert HistoryMinute.objects.filter(minute=minute, scope="all").count() == 1
+    finish(submit_file(api), "SUCCEEDED", minute + timedelta(seconds=55))
+    history_rollup(now)
+    assert [row.succeeded for row in HistoryMinute.objects.filter(minute=minute, scope="all")] == [3]
     assert error_class("http_503") == "vendor" and error_class("quarantined") == "input"
+
+
+def test_a_backfill_reads_each_table_once_a_chunk_not_once_a_minute(api):
+    """After a pause the dispatcher fills in up to a day: a statement per minute per table made a
+    day's backfill 5,760 reads; chunks of minutes make it a few dozen, with the same numbers."""
+    now = timezone.now()
+    early, late = floor_minute(now) - timedelta(minutes=80), floor_minute(now) - timedelta(minutes=3)
+    ids = [submit_file(api) for _ in range(3)]
+    finish(ids[0], "SUCCEEDED", early + timedelta(seconds=10), wait_s=2.0)
+    finish(ids[1], "FAILED", early + timedelta(seconds=59), code="shed", lane="batch")
+    finish(ids[2], "SUCCEEDED", late + timedelta(seconds=1), channel="fallback")
+    with CaptureQueriesContext(connection) as statements:
+        written = history_rollup(now, minutes=90)
+    reads = [q for q in statements.captured_queries if q["sql"].lstrip().upper().startswith("SELECT")]
+    assert len(reads) == 4 * 3  # four tables, three chunks of 30 minutes
+    assert HistoryMinute.objects.filter(scope="all").count() == 90 and written >= 90
+    row = HistoryMinute.objects.get(minute=early, scope="all")
+    assert (row.succeeded, row.failed, row.errors, row.wait_p95_s) == (1, 1, {"capacity": 1}, 2.0)
+    assert HistoryMinute.objects.get(minute=early, scope="lane", key="batch").failed == 1
+    assert HistoryMinute.objects.get(minute=late, scope="channel", key="fallback").succeeded == 1
+    assert HistoryMinute.objects.get(minute=floor_minute(now), scope="all").submitted == 3
 
 
 def test_rows_past_seven_days_are_dropped(db):
