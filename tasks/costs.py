@@ -96,7 +96,22 @@ def kind(sql: str) -> str:
 def _statement(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
     count("statements")
     count(f"sql:{kind(sql)}")
+    if os.environ.get("SLUICE_COUNT_WHERE"):
+        count(f"at:{kind(sql)} @ {_where()}")
     return execute(sql, params, many, context)
+
+
+def _where(depth: int = 4) -> str:
+    """The innermost Sluice frames that executed a statement (SLUICE_COUNT_WHERE: where they go)."""
+    import sys
+
+    frame, found = sys._getframe(2), []
+    while frame is not None and len(found) < depth:
+        path = frame.f_code.co_filename
+        if "/site-packages/" not in path and "/lib/python" not in path and not path.endswith("costs.py"):
+            found.append(f"{Path(path).stem}.{frame.f_code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " < ".join(found)
 
 
 def install() -> None:
