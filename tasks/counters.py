@@ -29,6 +29,7 @@ what they accept themselves.
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -198,6 +199,25 @@ def lane_counts_by_tenant(lane_name: str) -> dict[Any, dict[str, int]]:
     """A lane's tasks in each stage, per tenant (tenants with none left out)."""
     rows = LaneTenantLoad.objects.filter(lane=lane_name).values("tenant", *STAGES)
     return {row["tenant"]: {name: row[name] for name in STAGES} for row in rows if any(row[name] for name in STAGES)}
+
+
+def lane_with_counts_by_tenant(lane_name: str) -> tuple[Lane | None, dict[Any, dict[str, int]]]:
+    """The lane's row and `lane_counts_by_tenant` in one statement (admission reads both under
+    its lock on every pass); None for a lane that does not exist."""
+    loads = ", ".join(f"c.{name} AS load_{name}" for name in STAGES)
+    sql = (f"SELECT l.*, c.tenant AS load_tenant, {loads} FROM {Lane._meta.db_table} l "
+           f"LEFT JOIN {TABLE} c ON c.lane = l.name WHERE l.name = %s")
+    lane, counts = None, {}
+    for row in Lane.objects.raw(sql, [lane_name]):
+        lane = lane or row
+        stages = {name: int(getattr(row, f"load_{name}") or 0) for name in STAGES}
+        if row.load_tenant is not None and any(stages.values()):
+            counts[_uuid(row.load_tenant)] = stages
+    return lane, counts
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 def lanes_with_queued() -> QuerySet:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db.models import Count, Q
+from django.db.models import CharField, Count, Q, Value
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
@@ -49,8 +49,9 @@ def _open_slots(channel: VendorChannel):
 
 
 def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
-    """Every channel's usage in two statements, whatever the number of channels (the
-    dispatcher looks at all of them on every admission pass)."""
+    """Every channel's usage in one statement, whatever the number of channels (the dispatcher
+    looks at all of them on every admission pass): the open slots and the live jobs, counted
+    per channel, kind and lane."""
     names = [c.name for c in channels]
     jobs: dict[str, int] = dict.fromkeys(names, 0)
     uploads: dict[str, int] = dict.fromkeys(names, 0)
@@ -59,14 +60,12 @@ def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
             .filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()))
             .values_list("channel_id", "kind", "task__lane_id").annotate(n=Count("id")))
     live = (VendorJob.objects.filter(channel_id__in=names, terminal_at__isnull=True)
-            .values_list("channel_id", "task__lane_id").annotate(n=Count("id")))
-    for name, kind, lane, n in held:
+            .annotate(slot_kind=Value(JOB, output_field=CharField()))
+            .values_list("channel_id", "slot_kind", "task__lane_id").annotate(n=Count("id")))
+    for name, kind, lane, n in held.union(live, all=True):
         if kind == UPLOAD:
             uploads[name] += n
             continue
-        jobs[name] += n
-        by_lane[name][lane or ""] = by_lane[name].get(lane or "", 0) + n
-    for name, lane, n in live:
         jobs[name] += n
         by_lane[name][lane or ""] = by_lane[name].get(lane or "", 0) + n
     return {name: ChannelUsage(jobs=jobs[name], uploads=uploads[name], jobs_by_lane=by_lane[name]) for name in names}

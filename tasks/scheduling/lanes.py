@@ -93,5 +93,14 @@ def lane_running(lane: Lane) -> QuerySet[Task]:
 def lane_slots_by_tenant(lane: Lane) -> dict:
     """tenant → (tasks holding a slot of the lane, tasks waiting for one), from the lane's
     counter rows (a row per tenant, whatever the backlog)."""
-    return {tenant: (n["dispatched"] + n["in_flight"], n["queued"])
-            for tenant, n in counters.lane_counts_by_tenant(lane.pk).items()}
+    return _slots(counters.lane_counts_by_tenant(lane.pk))
+
+
+def lane_with_slots_by_tenant(name: str) -> tuple[Lane | None, dict]:
+    """The lane read fresh, with its `lane_slots_by_tenant`, in one statement."""
+    lane, counts = counters.lane_with_counts_by_tenant(name)
+    return lane, _slots(counts)
+
+
+def _slots(counts: dict) -> dict:
+    return {tenant: (n["dispatched"] + n["in_flight"], n["queued"]) for tenant, n in counts.items()}

@@ -29,7 +29,7 @@ from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
 from tasks.scheduling.channels import channel_rooms, channels_down_for, pick_channel
-from tasks.scheduling.lanes import lane_slots_by_tenant
+from tasks.scheduling.lanes import lane_slots_by_tenant, lane_with_slots_by_tenant
 from tasks.services.execution import new_operation_fields
 from tasks.services.history import history_rollup_due
 from tasks.services.outcomes import task_move
@@ -349,10 +349,9 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
         # lock while another admitted. Stamped with the earlier time, its tasks would read as
         # started before the other pass's, and their queue waits as shorter than they were.
         now = max(now, timezone.now())
-        lane = Lane.objects.get(pk=lane.pk)
-        if lane.paused:
+        lane, standing = lane_with_slots_by_tenant(lane.pk)
+        if lane is None or lane.paused:
             return []
-        standing = lane_slots_by_tenant(lane)
         free = lane.max_running - sum(running for running, _ in standing.values())
         tenants = [t for t, (_, waiting) in standing.items() if waiting]
         if free <= 0 or not tenants:

@@ -31,6 +31,20 @@ def agree() -> None:
         list(LaneTenantLoad.objects.values()), counters._live_counts())
 
 
+def test_admission_reads_the_lane_with_its_counts_in_one_statement():
+    acme, globex = tenant_ensure(name="acme"), tenant_ensure(name="globex")
+    for index in range(2):
+        new_task(acme, index=index)
+    new_task(globex, index=5)
+    lane, counts = counters.lane_with_counts_by_tenant("batch")
+    assert lane.name == "batch" and lane.max_running > 0
+    assert counts == counters.lane_counts_by_tenant("batch") and counts[acme.pk]["accepted"] == 2
+    assert set(counts) == {acme.pk, globex.pk}
+    empty, none = counters.lane_with_counts_by_tenant("interactive")
+    assert empty.name == "interactive" and none == {}
+    assert counters.lane_with_counts_by_tenant("no-such-lane") == (None, {})
+
+
 def test_every_kind_of_write_moves_the_counts():
     acme, globex = tenant_ensure(name="acme"), tenant_ensure(name="globex")
     tasks = [new_task(acme, index=i) for i in range(3)] + [new_task(globex, lane="interactive", index=9)]
