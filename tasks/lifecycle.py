@@ -129,6 +129,25 @@ def task_update(task_id: Any, *, state: State | str, generation: int, expect: di
     return bool(Task.objects.filter(pk=task_id, state=state, generation=generation, **(expect or {})).update(**fields))
 
 
+def task_update_recorded(task_id: Any, *, state: State | str, generation: int, actor: str, reason: str,
+                         data: dict | None = None, **fields: Any) -> bool:
+    """`task_update` and a history entry of it (a finding, not a state change), the entry written
+    when the row was: one statement on PostgreSQL (as a transition's), two on SQLite."""
+    if _PROTECTED & fields.keys():
+        raise IllegalTransition("use transition() to change state or generation")
+    now = timezone.now()
+    fields["updated_at"] = now
+    row = Task.objects.filter(pk=task_id, state=state, generation=generation)
+    event = TaskEvent(task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300], data=data or {},
+                      at=now)
+    if connections[row.db].vendor == "postgresql":
+        return _update_and_record(row, fields, event)
+    updated = bool(row.update(**fields))
+    if updated:
+        event.save(using=row.db, force_insert=True)
+    return updated
+
+
 def record_event(task_id: Any, *, generation: int, actor: str, reason: str, data: dict | None = None) -> None:
     """Append a history entry that is not a state change (a decision, a finding)."""
     TaskEvent.objects.create(

@@ -25,6 +25,7 @@ from django.utils import timezone
 from tasks import timescale
 from tasks.models import ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
+from tasks.rows import insert_rows
 from tasks.vendors import breaker
 from tasks.vendors.classification import Outcome, Row, classify_exception, classify_status
 from tasks.vendors.errors import (
@@ -326,7 +327,7 @@ def flush_calls() -> None:
         return
     calls = list(_unwritten)
     del _unwritten[:]
-    VendorCall.objects.bulk_create(calls)
+    insert_rows(calls)
 
 
 def json_object(response: httpx.Response) -> dict[str, Any]:

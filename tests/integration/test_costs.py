@@ -84,3 +84,24 @@ def test_a_statement_is_counted_by_its_kind_never_by_its_values():
     # PostgreSQL's bulk insert reads from UNNEST: the table is the one inserted into.
     assert costs.kind('INSERT INTO "tasks_vendorcall" ("a", "b") SELECT * FROM UNNEST((%s)::integer[], (%s)::text[])') == \
         "INSERT INTO tasks_vendorcall"
+
+
+def test_a_steps_vendor_calls_are_written_in_one_statement_without_a_transaction():
+    """The log written after every step: one INSERT, no BEGIN/COMMIT around it; inside a caller's
+    transaction (or too many for one statement) it is bulk_create's, and every row is written."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks.models import VendorCall, VendorChannel
+    from tasks.rows import insert_rows
+
+    channel = VendorChannel.objects.first() or VendorChannel.objects.create(name="rows", base_url="http://127.0.0.1:1")
+    calls = [VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=i) for i in range(3)]
+    with CaptureQueriesContext(connection) as statements:
+        insert_rows(calls)
+    assert [q["sql"].split()[0] for q in statements.captured_queries] == ["INSERT"]
+    with transaction.atomic():
+        insert_rows([VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=9)])
+    insert_rows([VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=10 + i) for i in range(500)])
+    assert sorted(VendorCall.objects.filter(channel=channel).values_list("duration_ms", flat=True)) == [
+        0, 1, 2, 9, *range(10, 510)]

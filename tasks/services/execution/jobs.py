@@ -3,10 +3,11 @@ nobody wants any more, breaker probes."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from tasks import lifecycle, timescale
@@ -68,7 +69,9 @@ def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bo
         job, created = VendorJob.objects.get_or_create(channel=channel, vendor_job_id=view.id, defaults=fields)
     else:  # just created: new but for a replayed key, so written first and read only if it was known
         try:
-            with transaction.atomic():
+            # A savepoint only inside a caller's transaction: alone, the failed INSERT of a
+            # replayed job leaves nothing to roll back (and no BEGIN/COMMIT is paid for it).
+            with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
                 job, created = VendorJob.objects.create(channel=channel, vendor_job_id=view.id, **fields), True
         except IntegrityError:
             job, created = VendorJob.objects.get(channel=channel, vendor_job_id=view.id), False

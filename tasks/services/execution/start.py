@@ -195,19 +195,18 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
     now = timezone.now()
     lease_fields = {} if keep_lease else dict(lease_owner="", lease_expires_at=None)
     phase = P.FETCH if completed else P.POLL
-    updated = task_update(
-        task.pk, state=S.RUNNING, generation=g, vendor_job=job, phase=phase, poll_interval_s=first, outage_since=None,
+    entry = dict(reason="vendor job replayed by idempotency key" if created.replayed else "vendor job created",
+                 data={"vendor_job_id": created.job.id, "channel": channel.name})
+    updated = lifecycle.task_update_recorded(
+        task.pk, state=S.RUNNING, generation=g, actor=actor(), **entry,
+        vendor_job=job, phase=phase, poll_interval_s=first, outage_since=None,
         due_at=now + timescale.delta(poll.jittered(first)), poll_deadline_at=now + timescale.delta(poll.budget_s),
         error_code="", error_message="", fetch_attempts=0, **lease_fields,
     )
     task.vendor_job, task.phase, task.fetch_attempts = job, phase, 0
-    lifecycle.record_event(
-        task.pk, generation=g, actor=actor(),
-        reason="vendor job replayed by idempotency key" if created.replayed else "vendor job created",
-        data={"vendor_job_id": created.job.id, "channel": channel.name},
-    )
     if not updated:
-        # Fenced while creating: the job is recorded; whoever moved the task decides its fate.
+        # Fenced while creating: the job is recorded (and said so); whoever moved the task decides its fate.
+        lifecycle.record_event(task.pk, generation=g, actor=actor(), **entry)
         orphan_check(job)
         return None
     return job
