@@ -42,6 +42,7 @@ from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
 from tasks.services.quarantine import (
     content_entries,
+    content_has_entries,
     file_precheck,
     poison_binding,
     released_from_poison,
@@ -511,14 +512,15 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
     """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
     workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
     itself if it is admitted into that lane at once ("queued_here": no start message was sent)."""
-    task = Task.objects.select_related("file", "lane", "tenant").filter(pk=task_id).first()
+    task = (Task.objects.select_related("file", "lane", "tenant").annotate(has_entries=content_has_entries())
+            .filter(pk=task_id).first())
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
         return "stale"
     lease = Lease.claim(task)
     if lease is None:
         return "busy"
     file = task.file
-    entries = content_entries(task.tenant_id, file.sha256)
+    entries = content_entries(task.tenant_id, file.sha256) if task.has_entries else []
     if file.precheck_state == FileVersion.Precheck.PENDING:
         file = file_precheck(file=file, entries=entries)
     findings = file.precheck_findings or {}

@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from tasks.models import AuditEntry, FileVersion, Quarantine, Task
@@ -33,6 +34,12 @@ def content_entries(tenant_id: Any, sha256: str) -> list[dict[str, Any]]:
     the content out of a poison quarantine."""
     return list(Quarantine.objects.filter(tenant_id=tenant_id, sha256=sha256).values(
         "pk", "reason", "released_at", "purged_at", "detector_version"))
+
+
+def content_has_entries() -> Exists:
+    """Whether a task's content has quarantine entries, as an annotation of the task's own read
+    (a pre-check reads the entries only when there are some: usually there are none)."""
+    return Exists(Quarantine.objects.filter(tenant_id=OuterRef("tenant_id"), sha256=OuterRef("file__sha256")))
 
 
 def released_from_poison(entries: list[dict[str, Any]]) -> bool:

@@ -153,28 +153,41 @@ def test_a_pre_check_left_behind_by_a_dead_worker_is_killed_and_its_temp_dir_rem
     assert orphan.wait(timeout=5) < 0 and not scratch.exists()
 
 
-def test_a_pre_check_reads_its_lane_load_and_its_content_quarantine_entries_once(api):
-    """The step every task runs: the content's quarantine entries are read once (for the older
-    detector's entries its verdict releases and for a poison release), and the lane's load once
-    before the task is queued (its backlog limit, then admission's look at free slots), once more
-    under the dispatch lock. It read each of them once more before."""
+def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries_only_if_any(api):
+    """The step every task runs: the content's quarantine entries are read only when the task's
+    own read says there are some (for the older detector's entries its verdict releases and for
+    a poison release), and then once; the lane's load once before the task is queued (its backlog
+    limit, then admission's look at free slots), once more under the dispatch lock with the lane."""
     from collections import Counter
 
     from django.db import connection
+    from django.utils import timezone
 
     from tasks import costs
     from tasks.services.intake import task_precheck_and_route
 
+    def precheck(task: Task) -> tuple[str, Counter]:
+        kinds: Counter = Counter()
+
+        def spy(execute, sql, params, many, context):
+            kinds[costs.kind(sql)] += 1
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(spy):
+            decision = task_precheck_and_route(task.pk, task.generation)
+        return decision, kinds
+
     task = Task.objects.get(pk=submit_file(api))
-    kinds: Counter = Counter()
-
-    def spy(execute, sql, params, many, context):
-        kinds[costs.kind(sql)] += 1
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(spy):
-        assert task_precheck_and_route(task.pk, task.generation) == "queued"
+    decision, kinds = precheck(task)
+    assert decision == "queued"
     after = Task.objects.get(pk=task.pk)
     assert after.state == "QUEUED" and after.dispatched_at is not None, "admitted in the same step"
-    assert kinds["SELECT tasks_quarantine"] == 1 and kinds["UPDATE tasks_quarantine"] == 0, kinds
-    assert kinds["SELECT tasks_lanetenantload"] == 2, kinds
+    assert kinds["SELECT tasks_quarantine"] == 0 and kinds["UPDATE tasks_quarantine"] == 0, kinds
+    assert kinds["SELECT tasks_lanetenantload"] == 1 and kinds["SELECT tasks_lane"] == 1, kinds
+    # Content an operator let out of a poison quarantine: its entry is read, once, and obeyed.
+    task = Task.objects.get(pk=submit_file(api))
+    Quarantine.objects.create(tenant_id=task.tenant_id, file=task.file, sha256=task.file.sha256, reason="poison",
+                              detector_version="1", expires_at=timezone.now(), released_at=timezone.now())
+    decision, kinds = precheck(task)
+    assert kinds["SELECT tasks_quarantine"] == 1, kinds
+    assert Task.objects.get(pk=task.pk).lane_id == "unknown-risk"
