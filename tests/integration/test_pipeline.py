@@ -29,6 +29,25 @@ def test_a_submitted_task_succeeds_and_its_result_matches_its_digest(system, ven
     assert [s for s in steps if s] == ["ACCEPTED", "QUEUED", "RUNNING", "SUCCEEDED"]
 
 
+def test_a_job_the_vendor_finishes_as_it_creates_it_is_fetched_in_the_start_step(system, vendor, api):
+    """A fast engine answers the create with the job completed: nothing is polled, the result is
+    fetched in the same step, and the task's history says both in one entry that its stages read
+    (no time at the vendor, the download as the fetching stage)."""
+    vendor.control.channel("primary", processing_ms=0, queue_ms=0)
+    task_id = submit_file(api, files.wav(2), kind="transcription", target="txt")
+    wait_for(lambda: state(task_id) in ("SUCCEEDED", "FAILED"), timeout=60, message="a terminal state")
+    task = Task.objects.get(pk=task_id)
+    assert task.state == "SUCCEEDED", (task.error_code, task.error_message)
+    operations = [c.operation for c in task.vendor_calls.order_by("id")]
+    assert operations[:2] == ["upload", "create_job"] and "get_result" in operations, operations
+    assert not {"get_job", "poll"} & set(operations), operations  # never polled
+    reasons = [e.reason for e in TaskEvent.objects.filter(task=task).order_by("at", "id") if not e.to_state]
+    assert reasons == ["vendor job created; the vendor completed the job"], reasons
+    stages = api.get(f"/api/v1/tasks/{task_id}").json()["stages"]
+    assert stages["vendor_queued"] == 0 and stages["vendor_processing"] is None
+    assert stages["fetching"] is not None and stages["fetching"] >= 0, stages
+
+
 def test_a_conversion_through_the_inline_fallback_channel(system, vendor, api):
     from tasks.models import VendorChannel
 

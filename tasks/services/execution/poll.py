@@ -62,9 +62,10 @@ def _poll(task: Task) -> str:
     return job_seen(task, job, view)
 
 
-def job_seen(task: Task, job: VendorJob, view: JobView) -> str:
+def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False) -> str:
     """What the vendor says of the task's job (a poll's answer, or the create's when it already
-    says how the job ended): a finished job is fetched or its failure handled in this step."""
+    says how the job ended): a finished job is fetched or its failure handled in this step.
+    `said`: its completion is in the task's history already (with the job's creation)."""
     if view.status != job.status:
         VendorJob.objects.filter(pk=job.pk).update(status=view.status)
         if view.status == "processing":
@@ -77,7 +78,7 @@ def job_seen(task: Task, job: VendorJob, view: JobView) -> str:
     if job.terminal_at is None:
         vendor_job_terminal(job, view.status)
     if view.status == "completed":
-        return _completed(task, job, view)
+        return _completed(task, job, view, said=said)
     failure = job_failure(view)
     if view.status == "failed" and not view.error_retryable:
         fail(task, source=S.RUNNING, code=failure.code, message=failure.message)
@@ -117,7 +118,7 @@ def step_fetch(task_id: Any, generation: int) -> str:
     return leased(task_id, generation, S.RUNNING, _fetch, phase=P.FETCH)
 
 
-def _completed(task: Task, job: VendorJob, view: JobView) -> str:
+def _completed(task: Task, job: VendorJob, view: JobView, *, said: bool = False) -> str:
     """The vendor reports the job completed (and billed it): from here on it is fetched, never
     abandoned — only the business deadline or a refusal ends the download's retries."""
     if view.input_sha256 and view.input_sha256 != task.file.sha256:
@@ -126,8 +127,9 @@ def _completed(task: Task, job: VendorJob, view: JobView) -> str:
     if (job.result_sha256, job.result_size) != (view.result_sha256 or "", view.result_size):
         VendorJob.objects.filter(pk=job.pk).update(result_sha256=view.result_sha256 or "", result_size=view.result_size)
         job.result_sha256, job.result_size = view.result_sha256 or "", view.result_size
-    lifecycle.record_event(task.pk, generation=task.generation, actor=actor(), reason="the vendor completed the job",
-                           data={"vendor_status": "completed"})
+    if not said:
+        lifecycle.record_event(task.pk, generation=task.generation, actor=actor(), reason="the vendor completed the job",
+                               data={"vendor_status": "completed"})
     if task.phase != P.FETCH or task.fetch_attempts:
         task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
     task.phase, task.fetch_attempts = P.FETCH, 0

@@ -155,7 +155,7 @@ def submit(task: Task, lease: Lease) -> str | None:
         audit_duplicates(task, channel, vendor, keep_job_id=created.job.id)
     if finished and job is not None:
         lease.heartbeat()  # renewed before the download, as between upload chunks
-        return job_seen(task, job, created.job)
+        return job_seen(task, job, created.job, said=created.job.status == "completed")
     return None
 
 
@@ -197,6 +197,9 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
     phase = P.FETCH if completed else P.POLL
     entry = dict(reason="vendor job replayed by idempotency key" if created.replayed else "vendor job created",
                  data={"vendor_job_id": created.job.id, "channel": channel.name})
+    if completed:  # the create's answer says it finished: one entry for both (the task's stages read it)
+        entry["reason"] += "; the vendor completed the job"
+        entry["data"]["vendor_status"] = "completed"
     updated = lifecycle.task_update_recorded(
         task.pk, state=S.RUNNING, generation=g, actor=actor(), **entry,
         vendor_job=job, phase=phase, poll_interval_s=first, outage_since=None,
