@@ -81,8 +81,9 @@ _TABLED = {"SELECT", "INSERT INTO", "UPDATE", "DELETE FROM"}
 
 def kind(sql: str) -> str:
     """A statement's verb and the first table it names: `SELECT tasks_task`, `SAVEPOINT`; a
-    statement with a WITH clause by its main verb (`WITH INSERT INTO tasks_taskevent`)."""
-    found = _KIND.match(sql[:400])
+    statement with a WITH clause by its main verb (`WITH INSERT INTO tasks_taskevent`), a compound
+    one (`(SELECT …) UNION ALL (SELECT …)`) by its first part."""
+    found = _KIND.match(sql[:400].lstrip(" \n("))
     if not found:
         return "other"
     verb = (found.group(1) or found.group(3) or found.group(5)).upper()

@@ -79,6 +79,8 @@ def test_a_statement_is_counted_by_its_kind_never_by_its_values():
     assert costs.kind('WITH moved AS (UPDATE "tasks_task" SET "generation" = ("tasks_task"."generation" + %s) '
                       'WHERE ("tasks_task"."id" = %s) RETURNING "id") INSERT INTO "tasks_taskevent" ("task_id") '
                       'SELECT moved."id" FROM moved') == "WITH INSERT INTO tasks_taskevent"
+    assert costs.kind('(SELECT "c" FROM "tasks_budgetslot") UNION ALL (SELECT "c" FROM "tasks_vendorjob")') == \
+        "SELECT tasks_budgetslot"
     # A literal in the text is not a kind of its own.
     assert costs.kind("SELECT 'secret-value' FROM \"tasks_task\"") == "SELECT tasks_task"
     # PostgreSQL's bulk insert reads from UNNEST: the table is the one inserted into.
