@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from tasks.models import DeadLetter, Notification, Task, TaskEvent, VendorChannel, VendorJob
+from tasks.models import DeadLetter, Notification, Task, TaskEvent, Tenant, VendorChannel, VendorJob
 from tasks.services import execution
 from tasks.services.cancel import task_cancel
 from tasks.services.notifications import notification_deliver, notification_resend
@@ -274,3 +274,29 @@ def test_signed_vendor_callbacks_bring_the_next_poll_forward_and_are_deduplicate
     forged = api.post("/api/v1/vendor-callbacks/primary", data=body, content_type="application/json",
                       HTTP_X_VENDOR_SIGNATURE="sha256=00")
     assert forged.status_code == 401
+
+
+def test_the_terminal_event_goes_to_the_tenants_callback_and_without_one_an_older_event_is_still_superseded(
+        inline_queue, api, receiver_factory):
+    """A step that finishes its task knows from its own read whether a notification is due: the
+    tenant's callback URL counts as the task's own, and an older undelivered event is superseded
+    even when no URL is left to send the new one to."""
+    receiver = receiver_factory(fail_first=0)
+    task = Task.objects.get(pk=submit_file(api))
+    Tenant.objects.filter(pk=task.tenant_id).update(callback_url=receiver.url)
+    task = run_until(task.pk)
+    assert task.state == "SUCCEEDED"
+    assert [(n.event_type, n.url) for n in Notification.objects.filter(task=task)] == [("task.succeeded", receiver.url)]
+    Tenant.objects.filter(pk=task.tenant_id).update(callback_url="")
+    quiet = run_until(submit_file(api))
+    assert quiet.state == "SUCCEEDED" and not Notification.objects.filter(task=quiet).exists()
+    # An older event still pending (a replay's earlier outcome) and no URL any more: superseded.
+    older = Notification.objects.create(task=quiet, tenant_id=quiet.tenant_id, generation=1, url=receiver.url,
+                                        event_type="task.failed", payload={},
+                                        next_attempt_at=timezone.now() + timedelta(days=1))
+    Task.objects.filter(pk=quiet.pk).update(state="FAILED", error_code="test")
+    from tasks.services.replay import task_replay
+
+    assert task_replay(task=Task.objects.get(pk=quiet.pk), actor="operator")
+    assert run_until(quiet.pk).state == "SUCCEEDED"
+    assert Notification.objects.get(pk=older.pk).status == "superseded"
