@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -155,6 +156,20 @@ def lane_priority() -> None:
         os.nice(increment)
 
 
+def preload() -> None:
+    """What every step needs, loaded in the cluster's main process before it forks its workers:
+    each worker inherits it (shared memory) instead of importing it, and building the TLS
+    settings, in its first steps (a second or so of CPU per worker on a busy machine)."""
+    import tasks.precheck.detectors  # noqa: F401 - the pre-check's child inherits it too
+    import tasks.workers  # noqa: F401
+    from tasks.services import execution, intake  # noqa: F401
+    from tasks.vendors import dialects  # noqa: F401
+    from tasks.vendors.http import ssl_context
+
+    for http2 in (False, True):
+        ssl_context(http2=http2)
+
+
 def install() -> None:
     """Have django-q2's sentinel spawn (and recognise) Sluice's worker and monitor. Idempotent.
 
@@ -164,6 +179,8 @@ def install() -> None:
         return
     import django_q.cluster
 
+    if "qcluster" in sys.argv:
+        preload()
     django_q.cluster.worker = worker
     django_q.cluster.monitor = monitor
     django_q.cluster.Cluster.sig_handler = bounded_stop

@@ -32,6 +32,7 @@ from tasks.poc import files
 from tasks.services.tenancy import tenant_ensure, token_issue
 from tasks.states import TERMINAL_STATES, State
 from tasks.system import Stack, database_env
+from tasks.vendors.http import ssl_context
 
 TARGETS = {
     "intake_ratio": 0.6,
@@ -157,7 +158,7 @@ class Bench:
         next_index = [0]
 
         def run() -> None:
-            with httpx.Client(timeout=120, trust_env=False) as client:
+            with httpx.Client(timeout=120, trust_env=False, verify=ssl_context()) as client:
                 while not errors:
                     with lock:
                         index = next_index[0]
@@ -186,7 +187,7 @@ class Bench:
         stop_at = time.monotonic() + seconds
 
         def run() -> None:
-            with httpx.Client(timeout=60, trust_env=False) as client:
+            with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
                 while time.monotonic() < stop_at:
                     call(client)
                     with lock:
@@ -208,7 +209,7 @@ class Bench:
         count = 40 if self.quick else 150
         self.log(f"pipeline: {count} tasks end to end")
         contents = [files.with_marker(files.wav(1), f"bench-{i}-{uuid.uuid4().hex}".encode()) for i in range(count)]
-        with httpx.Client(timeout=60, trust_env=False) as client:
+        with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             file_ids = [self._upload(client, c) for c in contents]
         # The uploads' statements are flushed by then, so they are not counted as the run's.
         time.sleep(2 * costs_module.FLUSH_S + 0.2)
@@ -268,7 +269,7 @@ class Bench:
                             "--convert-to", "pdf", "--outdir", str(bare_dir), str(source)],
                            capture_output=True, timeout=300, check=True)
         bare = time.monotonic() - started
-        with httpx.Client(timeout=60, trust_env=False) as client:
+        with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             file_ids = []
             for content in docs:
                 answer = client.post(f"{self.web_url}/api/v1/files", content=content, headers={
@@ -437,7 +438,7 @@ class Bench:
         self.log("polling: 30 concurrent 5-minute jobs")
         self.control.channel("primary", processing_ms=300_000)
         self.control.reset(faults=True, state=True, journal=True)
-        with httpx.Client(timeout=60, trust_env=False) as client:
+        with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             ids = [self._submit(client, self._upload(client, files.with_marker(files.wav(1), uuid.uuid4().bytes)), priority="batch")
                    for _ in range(count)]
         deadline = time.monotonic() + 120
@@ -483,7 +484,7 @@ class Bench:
         Lane.objects.filter(pk="batch").update(paused=False)
         self.log(f"isolation: flood of {flood} accepted; interactive tasks arrive")
         interactive = []
-        with httpx.Client(timeout=60, trust_env=False) as client:
+        with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             for _ in range(10 if self.quick else 20):
                 interactive.append(self._submit(client, self._upload(client, files.with_marker(files.wav(1), uuid.uuid4().bytes))))
                 time.sleep(0.3)
@@ -546,7 +547,7 @@ class Bench:
     def intake(self) -> None:
         seconds = 4 if self.quick else 10
         self.log(f"intake: {seconds} s of submissions vs a bare view, 8 clients")
-        with httpx.Client(timeout=60, trust_env=False) as client:
+        with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             file_id = self._upload(client, files.wav(1))
         body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "batch"}
 
@@ -592,7 +593,7 @@ class Bench:
                 self.log(f"matrix: {workers} workers, vendor latency {latency}s nominal, {count} tasks")
                 # One file for the whole burst, pre-checked before it: the cells measure dispatch
                 # and the vendor, not the pre-check's sandbox (which also runs on the lane's workers).
-                with httpx.Client(timeout=60, trust_env=False) as client:
+                with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
                     file_id = self._upload(client, files.with_marker(files.wav(1), f"m-{uuid.uuid4().hex}".encode()))
                     warm = self._submit(client, file_id, deadline_s=600)
                 while not Task.objects.filter(pk=warm, state__in=TERMINAL_STATES).exists():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
@@ -52,6 +53,19 @@ _clients: dict[tuple[int, str, bool], httpx.Client] = {}
 ErrorDetails = Callable[[httpx.Response], "tuple[str | None, str]"]
 
 
+_contexts: dict[tuple[bool, str, str], ssl.SSLContext] = {}
+
+
+def ssl_context(*, http2: bool = False) -> ssl.SSLContext:
+    """The TLS settings a vendor client verifies with (the system's trust store, or SSL_CERT_FILE
+    / SSL_CERT_DIR), built once per process (tens of milliseconds each time) and inherited by the
+    workers a cluster forks. One per protocol: the connection pool sets its ALPN protocols on it."""
+    key = (http2, os.environ.get("SSL_CERT_FILE", ""), os.environ.get("SSL_CERT_DIR", ""))
+    if key not in _contexts:
+        _contexts[key] = httpx.create_ssl_context()
+    return _contexts[key]
+
+
 def _http_client(base_url: str, *, http2: bool = False) -> httpx.Client:
     # One pooled client per process, vendor and protocol; django-q2 forks workers, so key by pid.
     key = (os.getpid(), base_url, http2)
@@ -64,6 +78,7 @@ def _http_client(base_url: str, *, http2: bool = False) -> httpx.Client:
         # RemoteProtocolError, which the classification table treats as ambiguous.
         tls = base_url.startswith("https://")
         transport = httpx.HTTPTransport(
+            verify=ssl_context(http2=http2),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
             socket_options=[(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)],
             http1=tls or not http2, http2=http2,
