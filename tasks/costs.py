@@ -23,6 +23,7 @@ _counts = {"statements": 0, "queue_messages": 0}
 _lock = threading.Lock()
 _last_flush = [0.0]
 _written = [""]  # what this process last wrote
+_flushing = [False]  # this process's flusher has started
 
 
 def directory() -> Path | None:
@@ -35,6 +36,8 @@ def count(kind: str, n: int = 1) -> None:
         return
     with _lock:
         _counts[kind] = _counts.get(kind, 0) + n
+    if not _flushing[0]:
+        _start_flusher()
     if time.monotonic() - _last_flush[0] >= FLUSH_S:
         flush()
 
@@ -126,9 +129,9 @@ def install() -> None:
             connection.execute_wrappers.append(_statement)
 
     connection_created.connect(wrap, weak=False, dispatch_uid="sluice-costs")
-    # A timer flushes what a process counted before it went idle; forked workers start their own
-    # (their parent's totals are not theirs).
-    _start_flusher()
+    # A timer flushes what a process counted before it went idle, started by its first count;
+    # forked workers start their own (their parent's totals are not theirs), and a forked child
+    # that counts nothing (the pre-check's sandbox) starts none.
     os.register_at_fork(after_in_child=_forked)
 
 
@@ -138,10 +141,15 @@ def _forked() -> None:
     for key in _counts:
         _counts[key] = 0
     _written[0] = ""
-    _start_flusher()
+    _flushing[0] = False
 
 
 def _start_flusher() -> None:
+    with _lock:
+        if _flushing[0]:
+            return
+        _flushing[0] = True
+
     def keep_flushing() -> None:
         while True:
             time.sleep(FLUSH_S)

@@ -43,6 +43,17 @@ def _registry() -> Path:
     return folder
 
 
+def _register(pid: int, entry: dict[str, Any]) -> Path:
+    """The child's marker (for kill_orphans), its folder made only when it is missing."""
+    marker = Path(settings.DATA_DIR) / "precheck-pids" / str(pid)
+    try:
+        marker.write_text(json.dumps(entry))
+    except FileNotFoundError:
+        marker = _registry() / str(pid)
+        marker.write_text(json.dumps(entry))
+    return marker
+
+
 def _virtual_size() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -66,8 +77,7 @@ def run_precheck(path: Path, extension: str) -> PrecheckResult:
         os.close(read_end)
         _child(write_end, path, extension, plugins, tmp, limits, inspect)
     os.close(write_end)
-    marker = _registry() / str(pid)
-    marker.write_text(json.dumps({"parent": os.getpid(), "tmp": str(tmp)}))
+    marker = _register(pid, {"parent": os.getpid(), "tmp": str(tmp)})
     try:
         output, status, timed_out = _collect(pid, read_end, float(settings.PRECHECK_WALL_S))
         if timed_out:
