@@ -161,7 +161,7 @@ CONTROL_WORKERS = env("SLUICE_CONTROL_WORKERS", 2)
 # A stopping cluster hands its steps back and is gone within this many real seconds.
 SHUTDOWN_S = env("SLUICE_SHUTDOWN_S", 30.0)
 
-_broker = {"redis": REDIS_URL} if REDIS_URL else {"orm": "default"}
+_broker = {"redis": REDIS_URL} if REDIS_URL else {"orm": "default", "broker_class": "tasks.brokers.Orm"}
 Q_CLUSTER = {
     "name": env("SLUICE_Q_NAME", "sluice-test" if TESTING else "sluice"),
     "workers": CONTROL_WORKERS,

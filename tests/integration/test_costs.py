@@ -107,3 +107,23 @@ def test_a_steps_vendor_calls_are_written_in_one_statement_without_a_transaction
     insert_rows([VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=10 + i) for i in range(500)])
     assert sorted(VendorCall.objects.filter(channel=channel).values_list("duration_ms", flat=True)) == [
         0, 1, 2, 9, *range(10, 510)]
+
+
+def test_the_embedded_broker_acknowledges_a_message_in_one_statement():
+    """django-q2's ORM broker deleted each acknowledged message in a transaction of its own."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django.conf import settings
+    from django_q.brokers import get_broker
+
+    if settings.REDIS_URL:
+        pytest.skip("the embedded broker's: with REDIS_URL the broker is Redis")
+    broker = get_broker("sluice-ack-probe")
+    assert type(broker).__name__ == "Orm"
+    broker.enqueue("payload")
+    (ack_id, payload), = broker.dequeue()
+    assert payload == "payload"
+    with CaptureQueriesContext(connection) as statements:
+        broker.acknowledge(ack_id)
+    assert [q["sql"].split()[0] for q in statements.captured_queries] == ["DELETE"]
+    assert broker.queue_size() == 0 and broker.lock_size() == 0
