@@ -40,10 +40,7 @@ def task_move(
     data: dict[str, Any] | None = None,
     attempt_outcome: str | None = None,
     dead_letter_class: str | None = None,
-    known: Task | None = None,
 ) -> lifecycle.Moved | None:
-    """`known`: the task as the step loaded it (load_task), which says whether a terminal move
-    has a notification to write; without it (or when one may be due) the row is read for it."""
     target = State(target)
     fields = dict(fields or {})
     now = timezone.now()
@@ -69,8 +66,7 @@ def task_move(
             )
         if target in TERMINAL_STATES:
             slots_release(task_id, reason=f"task {target.lower()}")
-            if known is None or _may_notify(known):
-                _notification_outbox(task_id, target, moved.generation)
+            _notification_outbox(task_id, target, moved.generation)
         if dead_letter_class:
             task = Task.objects.only("tenant_id", "attempts").get(pk=task_id)
             DeadLetter.objects.create(
@@ -78,14 +74,6 @@ def task_move(
                 error_code=(fields.get("error_code") or "unknown")[:64], attempts=task.attempts,
             )
     return moved
-
-
-def _may_notify(task: Task) -> bool:
-    """Whether a terminal move of `task` (loaded by load_task) writes or supersedes notifications:
-    it has a callback URL (its own or its tenant's), or an older notification is still pending.
-    A task loaded some other way may."""
-    pending = getattr(task, "notified_pending", None)
-    return pending is None or pending or bool(task.callback_url or task.tenant.callback_url)
 
 
 def _notification_outbox(task_id: Any, target: State, generation: int) -> None:

@@ -278,9 +278,9 @@ def test_signed_vendor_callbacks_bring_the_next_poll_forward_and_are_deduplicate
 
 def test_the_terminal_event_goes_to_the_tenants_callback_and_without_one_an_older_event_is_still_superseded(
         inline_queue, api, receiver_factory):
-    """A step that finishes its task knows from its own read whether a notification is due: the
-    tenant's callback URL counts as the task's own, and an older undelivered event is superseded
-    even when no URL is left to send the new one to."""
+    """The tenant's callback URL counts as the task's own (read when the task finishes, not when
+    its step began); without any URL no event is written, and an older undelivered one is still
+    superseded."""
     receiver = receiver_factory(fail_first=0)
     task = Task.objects.get(pk=submit_file(api))
     Tenant.objects.filter(pk=task.tenant_id).update(callback_url=receiver.url)

@@ -9,11 +9,11 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from tasks import timescale
-from tasks.models import Attempt, Notification, Task
+from tasks.models import Attempt, Task
 from tasks.states import State
 from tasks.vendors.errors import StopUpload
 
@@ -89,8 +89,4 @@ class Lease:
 
 
 def load_task(task_id: Any) -> Task | None:
-    """The task a step works on, with what its steps read (its tenant for the terminal
-    notification, and whether an older one is still pending: `notified_pending`)."""
-    pending = Notification.objects.filter(task_id=OuterRef("pk"), status=Notification.Status.PENDING)
-    return (Task.objects.select_related("channel", "file", "lane", "vendor_job", "tenant")
-            .annotate(notified_pending=Exists(pending)).filter(pk=task_id).first())
+    return Task.objects.select_related("channel", "file", "lane", "vendor_job").filter(pk=task_id).first()

@@ -182,7 +182,6 @@ def _fetch(task: Task) -> str:
                     result_content_type=fetched.content_type[:100], lease_owner="", lease_expires_at=None,
                     error_code="", error_message=""),
         attempt_outcome=Attempt.Outcome.SUCCEEDED, data={"vendor_job_id": job.vendor_job_id, "sha256": fetched.sha256},
-        known=task,
     )
     breaker.refund_retry_token(task.channel)
     if moved is None:
