@@ -20,7 +20,9 @@ def insert_rows(objs: list[Model]) -> None:
     alias = router.db_for_write(model)
     connection = connections[alias]
     fields = [f for f in model._meta.concrete_fields if not (f.primary_key and isinstance(f, (AutoField, BigAutoField)))]
-    if (connection.in_atomic_block or len(fields) == len(model._meta.concrete_fields)
+    # What bulk_create prepares and this does not (database defaults, generated columns) is left to it.
+    special = any(f.generated or f.has_db_default() for f in fields)
+    if (special or connection.in_atomic_block or len(fields) == len(model._meta.concrete_fields)
             or len(objs) > connection.ops.bulk_batch_size(fields, objs)):
         model._base_manager.using(alias).bulk_create(objs)
         return

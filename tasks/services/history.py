@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import F, Max
+from django.db.models import F, Max, QuerySet
 from django.utils import timezone
 
 from tasks.models import HistoryMinute, Task, TaskEvent, VendorCall
@@ -95,14 +95,13 @@ def minute_rows(start: datetime, minutes: int = 1) -> dict[datetime, dict[tuple[
                 group.counts["failed"] += 1
                 group.errors[error_class(code)] += 1
     started = (Task.objects.filter(started_at__gte=start, started_at__lt=end, queued_at__isnull=False)
-               .annotate(wait=F("started_at") - F("queued_at"))
-               .values_list("started_at", "lane_id", "channel_id", "wait")[:SAMPLE * minutes])
-    for at, lane, channel, wait in started:
+               .annotate(wait=F("started_at") - F("queued_at")).values_list("started_at", "lane_id", "channel_id", "wait"))
+    for at, lane, channel, wait in _sampled(started, "started_at", start, minutes):
         for group in scopes(at, lane, channel):
             group.waits.append(max(wait.total_seconds(), 0.0))
     calls = VendorCall.objects.filter(at__gte=start, at__lt=end).values_list("at", "task__lane_id", "channel_id",
                                                                             "duration_ms")
-    for at, lane, channel, duration in calls[:SAMPLE * minutes]:
+    for at, lane, channel, duration in _sampled(calls, "at", start, minutes):
         for group in scopes(at, lane, channel):
             group.calls.append(float(duration))
     rows: dict[datetime, dict[tuple[str, str], dict[str, Any]]] = {}
@@ -111,6 +110,25 @@ def minute_rows(start: datetime, minutes: int = 1) -> dict[datetime, dict[tuple[
         rows[minute] = {scope_key: _values(group) for scope_key, group in groups.get(minute, {}).items()}
         rows[minute].setdefault(("all", ""), _values(_Minute()))
     return rows
+
+
+def _sampled(rows: QuerySet, field: str, start: datetime, minutes: int) -> list[tuple]:
+    """Up to SAMPLE rows of each minute (their first column is the moment): one read for the
+    chunk when it holds no more than that on average, else one per minute (a busy chunk must not
+    leave its later minutes without a sample)."""
+    cap = SAMPLE * minutes
+    found = list(rows[:cap + 1])
+    if len(found) > cap:
+        found = [row for back in range(minutes) for row in rows.filter(**{
+            f"{field}__gte": start + timedelta(minutes=back), f"{field}__lt": start + timedelta(minutes=back + 1)})[:SAMPLE]]
+    taken: Counter = Counter()
+    sample = []
+    for row in found:
+        minute = floor_minute(row[0])
+        if taken[minute] < SAMPLE:
+            taken[minute] += 1
+            sample.append(row)
+    return sample
 
 
 def _values(group: _Minute) -> dict[str, Any]:
@@ -132,7 +150,9 @@ def history_rollup(now: datetime | None = None, *, minutes: int = RECOMPUTE_MINU
         chunk = minute_rows(first + timedelta(minutes=offset), min(CHUNK, minutes - offset))
         rows += [HistoryMinute(minute=minute, scope=scope, key=key or "", **values)
                  for minute, scoped in chunk.items() for (scope, key), values in scoped.items()]
-    # One upsert for all of them (a statement per batch, not a read and a write per row).
+    # One upsert for all of them (a statement per batch, not a read and a write per row), in the
+    # key's order: two dispatchers upserting at once lock the rows in the same order.
+    rows.sort(key=lambda row: (row.minute, row.scope, row.key))
     HistoryMinute.objects.bulk_create(rows, update_conflicts=True, unique_fields=["minute", "scope", "key"],
                                       update_fields=[*VALUE_FIELDS, "computed_at"])
     HistoryMinute.objects.filter(minute__lt=now - KEEP).delete()

@@ -57,8 +57,8 @@ _contexts: dict[tuple[bool, str, str], ssl.SSLContext] = {}
 
 
 def ssl_context(*, http2: bool = False) -> ssl.SSLContext:
-    """The TLS settings a vendor client verifies with (the system's trust store, or SSL_CERT_FILE
-    / SSL_CERT_DIR), built once per process (tens of milliseconds each time) and inherited by the
+    """The TLS settings a vendor client verifies with (httpx's: certifi's roots, or SSL_CERT_FILE
+    / SSL_CERT_DIR when set), built once per process (tens of milliseconds each time) and inherited by the
     workers a cluster forks. One per protocol: the connection pool sets its ALPN protocols on it."""
     key = (http2, os.environ.get("SSL_CERT_FILE", ""), os.environ.get("SSL_CERT_DIR", ""))
     if key not in _contexts:

@@ -59,9 +59,9 @@ def test_the_rollup_counts_each_minute_per_lane_and_channel(api):
 def test_a_backfill_reads_each_table_once_a_chunk_not_once_a_minute(api):
     """After a pause the dispatcher fills in up to a day: a statement per minute per table made a
     day's backfill 5,760 reads; chunks of minutes make it a few dozen, with the same numbers."""
+    ids = [submit_file(api) for _ in range(3)]
     now = timezone.now()
     early, late = floor_minute(now) - timedelta(minutes=80), floor_minute(now) - timedelta(minutes=3)
-    ids = [submit_file(api) for _ in range(3)]
     finish(ids[0], "SUCCEEDED", early + timedelta(seconds=10), wait_s=2.0)
     finish(ids[1], "FAILED", early + timedelta(seconds=59), code="shed", lane="batch")
     finish(ids[2], "SUCCEEDED", late + timedelta(seconds=1), channel="fallback")
@@ -74,7 +74,25 @@ def test_a_backfill_reads_each_table_once_a_chunk_not_once_a_minute(api):
     assert (row.succeeded, row.failed, row.errors, row.wait_p95_s) == (1, 1, {"capacity": 1}, 2.0)
     assert HistoryMinute.objects.get(minute=early, scope="lane", key="batch").failed == 1
     assert HistoryMinute.objects.get(minute=late, scope="channel", key="fallback").succeeded == 1
-    assert HistoryMinute.objects.get(minute=floor_minute(now), scope="all").submitted == 3
+    recent = HistoryMinute.objects.filter(scope="all", minute__gte=floor_minute(now) - timedelta(minutes=1))
+    assert sum(row.submitted for row in recent) == 3  # in this minute (or the last, had it just turned)
+
+
+def test_a_busy_minute_does_not_leave_the_others_of_its_chunk_without_a_sample(db, monkeypatch):
+    """Durations are sampled per minute (SAMPLE each; 2 here, so that a handful of rows is busy): a
+    chunk with more than its share is read a minute at a time, each minute with its own sample."""
+    from tasks.models import VendorCall, VendorChannel
+    from tasks.services import history
+
+    monkeypatch.setattr(history, "SAMPLE", 2)
+    busy = floor_minute(timezone.now()) - timedelta(minutes=2)
+    channel = VendorChannel.objects.get(name="primary")
+    for second, duration in ((1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (70, 99)):
+        call = VendorCall.objects.create(channel=channel, operation="get_job", outcome="ok", duration_ms=duration)
+        VendorCall.objects.filter(pk=call.pk).update(at=busy + timedelta(seconds=second))
+    rows = history.minute_rows(busy, 2)
+    assert rows[busy][("all", "")]["vendor_p50_ms"] == 10.0
+    assert rows[busy + timedelta(minutes=1)][("all", "")]["vendor_p50_ms"] == 99.0
 
 
 def test_rows_past_seven_days_are_dropped(db):
