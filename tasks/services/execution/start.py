@@ -149,13 +149,17 @@ def submit(task: Task, lease: Lease) -> str | None:
     # A vendor that answers the create with the job already finished (a fast engine, a replayed
     # key) is not polled for what it just said: the result is fetched in this step, under its lease.
     finished = created.job.terminal
-    job = _job_created(task, created, keep_lease=finished, completed=created.job.status == "completed")
+    completed = created.job.status == "completed"
+    # Its completion is said in the creation's history entry, unless the vendor says it processed
+    # another input than ours (the integrity failure is what is recorded then).
+    said = completed and created.job.input_sha256 in ("", None, file.sha256)
+    job = _job_created(task, created, keep_lease=finished, completed=completed, said=said)
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
         audit_duplicates(task, channel, vendor, keep_job_id=created.job.id)
     if finished and job is not None:
         lease.heartbeat()  # renewed before the download, as between upload chunks
-        return job_seen(task, job, created.job, said=created.job.status == "completed")
+        return job_seen(task, job, created.job, said=said)
     return None
 
 
@@ -181,10 +185,12 @@ def _expired(moment: datetime | None) -> bool:
     return moment is not None and moment <= timezone.now() + timescale.delta(60)
 
 
-def _job_created(task: Task, created: Created, *, keep_lease: bool = False, completed: bool = False) -> VendorJob | None:
+def _job_created(task: Task, created: Created, *, keep_lease: bool = False, completed: bool = False,
+                 said: bool = False) -> VendorJob | None:
     """Record the created job and make the task poll it (or, `completed`, fetch its result); the
     job, or None if the task was fenced meanwhile. With `keep_lease` this step goes on with the
-    job (its lease stays; the due poll or fetch is the way back if the step dies)."""
+    job (its lease stays; the due poll or fetch is the way back if the step dies); with `said`
+    the job's history entry also says the vendor completed it."""
     g = task.generation
     channel = task.channel
     job = record_job(task, channel, created.job, adopted=False)
@@ -197,7 +203,7 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
     phase = P.FETCH if completed else P.POLL
     entry = dict(reason="vendor job replayed by idempotency key" if created.replayed else "vendor job created",
                  data={"vendor_job_id": created.job.id, "channel": channel.name})
-    if completed:  # the create's answer says it finished: one entry for both (the task's stages read it)
+    if said:  # the create's answer says it finished: one entry for both (the task's stages read it)
         entry["reason"] += "; the vendor completed the job"
         entry["data"]["vendor_status"] = "completed"
     updated = lifecycle.task_update_recorded(
