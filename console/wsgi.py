@@ -16,3 +16,9 @@ if not settings.DEBUG and settings.SECRET_KEY == settings.DEV_SECRET_KEY:
         "SLUICE_SECRET_KEY (the same on every process), or run `make install`, which writes a key for this "
         f"installation to {settings.SECRET_KEY_FILE}."
     )
+
+# The URLconf (the console's and the API's views and schemas) is loaded as a worker boots, not by
+# its first request, which otherwise waits a second or so for the imports.
+from django.urls import get_resolver  # noqa: E402
+
+get_resolver().url_patterns  # noqa: B018
