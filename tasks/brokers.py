@@ -1,19 +1,30 @@
-"""django-q2's ORM broker (the embedded default), with a cheaper acknowledgement.
+"""django-q2's ORM broker (the embedded default), with a cheaper acknowledgement and send.
 
 django-q2 deletes an acknowledged message through Django's deletion collector, which opens a
 transaction of its own around the one DELETE (a BEGIN on SQLite, two round trips more on
 PostgreSQL) for every message. A message row has nothing that cascades or listens: one DELETE
-statement, atomic by itself, does the same.
+statement, atomic by itself, does the same. A message is written with an INSERT built once
+(`tasks.rows.insert_rows`), not through the query compiler: a submission writes one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.utils import timezone
 from django_q.brokers.orm import ORM
+from django_q.conf import Conf
+from django_q.models import OrmQ
+
+from tasks.rows import insert_rows
 
 
 class Orm(ORM):
     def delete(self, task_id: Any) -> None:
         rows = self.get_connection().filter(pk=task_id)
         rows._raw_delete(rows.db)
+
+    def enqueue(self, task: Any) -> Any:
+        self.get_connection()  # what django-q2's does first (old connections closed outside a transaction)
+        return insert_rows([OrmQ(key=self.list_key or Conf.CLUSTER_NAME, payload=task, lock=timezone.now())],
+                          return_pk=True, using=Conf.ORM)

@@ -17,6 +17,7 @@ from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
 from tasks.models import Task, TaskEvent
+from tasks.rows import insert_rows
 from tasks.states import State
 
 S = State
@@ -89,7 +90,7 @@ def transition(
         with transaction.atomic(using=row.db, savepoint=False):
             moved = bool(row.update(**changes))
             if moved:
-                event.save(using=row.db, force_insert=True)
+                insert_rows([event], using=row.db)
     return Moved(generation=generation + 1) if moved else None
 
 
@@ -144,12 +145,11 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
         return _update_and_record(row, fields, event)
     updated = bool(row.update(**fields))
     if updated:
-        event.save(using=row.db, force_insert=True)
+        insert_rows([event], using=row.db)
     return updated
 
 
 def record_event(task_id: Any, *, generation: int, actor: str, reason: str, data: dict | None = None) -> None:
     """Append a history entry that is not a state change (a decision, a finding)."""
-    TaskEvent.objects.create(
-        task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300], data=data or {}
-    )
+    insert_rows([TaskEvent(task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300],
+                           data=data or {})])

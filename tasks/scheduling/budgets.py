@@ -15,6 +15,7 @@ from django.db.models import CharField, Count, Q, Value
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
+from tasks.rows import insert_rows
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
 
@@ -88,9 +89,7 @@ def channel_usage(channel: VendorChannel) -> ChannelUsage:
 
 def slots_reserve(task: Task, channel: VendorChannel) -> None:
     """Called by the dispatcher under its lock, after checking channel_usage()."""
-    BudgetSlot.objects.bulk_create(
-        [BudgetSlot(channel=channel, kind=JOB, task=task), BudgetSlot(channel=channel, kind=UPLOAD, task=task)]
-    )
+    insert_rows([BudgetSlot(channel=channel, kind=JOB, task=task), BudgetSlot(channel=channel, kind=UPLOAD, task=task)])
 
 
 def slots_release(task_id, *kinds: str, reason: str, hold_s: float = 0.0) -> int:

@@ -33,6 +33,7 @@ from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task,
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_step_on_commit
+from tasks.rows import insert_rows, select
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING, lane_slots_by_tenant
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
@@ -265,7 +266,9 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
         return outcomes  # type: ignore[return-value]
     # Read outside the write transaction (they are not counts: nothing to serialise).
     wanted = {_uuid_or_none(item.request.file_id) for item in work} - {None}
-    found = {f.pk: f for f in FileVersion.objects.filter(pk__in=wanted, tenant=tenant, deleted_at__isnull=True)}
+    found = {f.pk: f for f in select(
+        FileVersion, f"id IN ({', '.join(['%s'] * len(wanted))}) AND tenant_id = %s AND deleted_at IS NULL",
+        [*(("id", pk) for pk in wanted), ("tenant", tenant.pk)])} if wanted else {}
     files = {item.index: found.get(_uuid_or_none(item.request.file_id)) for item in work}
     quota = quota_effective(tenant)
     lane_names = sorted({_lane_for(files[i.index], i.request.priority) for i in work if files[i.index] is not None})
@@ -287,8 +290,10 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             if not tentative:
                 locks.hold(*held)
         key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
-        records = {r.key: r for r in IdempotencyRecord.objects.filter(tenant=tenant, key__in=list(key_taken))
-                   .only("pk", "key", "fingerprint", "task_id")} if key_taken else {}
+        records = {r.key: r for r in select(
+            IdempotencyRecord, f"tenant_id = %s AND \"key\" IN ({', '.join(['%s'] * len(key_taken))})",
+            [("tenant", tenant.pk), *(("key", key) for key in key_taken)], only=("key", "fingerprint", "task"),
+        )} if key_taken else {}
         now = timezone.now()
 
         def decide(lanes: _Lanes, at) -> _Decided:
@@ -379,8 +384,8 @@ def _write(tenant: Tenant, decided: _Decided, records: dict) -> None:
     accepted = decided.accepted
     # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
     # the order every other writer uses (tasks/counters.py).
-    Task.objects.bulk_create(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
-    TaskEvent.objects.bulk_create([event for _, _, event in accepted])
+    insert_rows(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
+    insert_rows([event for _, _, event in accepted])
     new_records = []
     for item, task, _ in accepted:
         if not item.key:
@@ -390,7 +395,7 @@ def _write(tenant: Tenant, decided: _Decided, records: dict) -> None:
             IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=item.fingerprint, locked_at=None)
         else:
             new_records.append(IdempotencyRecord(tenant=tenant, key=item.key, fingerprint=item.fingerprint, task=task))
-    IdempotencyRecord.objects.bulk_create(new_records)
+    insert_rows(new_records)
 
 
 def _lane_for(file: FileVersion, priority: str) -> str:
@@ -512,15 +517,15 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
     """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
     workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
     itself if it is admitted into that lane at once ("queued_here": no start message was sent)."""
-    task = (Task.objects.select_related("file", "lane", "tenant").annotate(has_entries=content_has_entries())
-            .filter(pk=task_id).first())
+    task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=("file", "lane", "tenant"),
+                            extra={"has_entries": content_has_entries()})), None)
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
         return "stale"
     lease = Lease.claim(task)
     if lease is None:
         return "busy"
     file = task.file
-    entries = content_entries(task.tenant_id, file.sha256) if task.has_entries else []
+    entries = content_entries(task.tenant_id, file.sha256) if bool(task.has_entries) else []
     if file.precheck_state == FileVersion.Precheck.PENDING:
         file = file_precheck(file=file, entries=entries)
     findings = file.precheck_findings or {}

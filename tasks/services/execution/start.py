@@ -22,6 +22,7 @@ from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
+from tasks.rows import insert_rows
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.services.execution.guard import step_crashed, step_interrupted
 from tasks.services.execution.jobs import (
@@ -70,10 +71,8 @@ def step_start(task_id: Any, generation: int) -> str:
     if moved is None:
         return "lost_claim"
     host, pid = socket.gethostname(), os.getpid()
-    Attempt.objects.create(
-        task=task, generation=moved.generation, owner=worker_id(), host=host[:100], pid=pid,
-        lease_expires_at=lease_expires, heartbeat_at=now, channel=task.channel,
-    )
+    insert_rows([Attempt(task=task, generation=moved.generation, owner=worker_id(), host=host[:100], pid=pid,
+                         lease_expires_at=lease_expires, heartbeat_at=now, channel=task.channel)])
     # The row is now what the claim wrote (compare-and-set on the generation read above): the
     # task goes on in memory, with its channel, file and lane as loaded.
     for name, value in claimed.items():

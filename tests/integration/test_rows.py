@@ -1,0 +1,114 @@
+"""tasks/rows.py: the INSERTs and reads built without the ORM's query compiler write and read
+exactly what the ORM would (both databases: the suite runs again on PostgreSQL)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.db.models import Value
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from tasks.models import FileVersion, Lane, Task, TaskEvent, VendorCall, VendorChannel
+from tasks.rows import insert_rows, select
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+CHECKED_AT = timezone.now() - timedelta(minutes=3)
+
+
+def _file(tenant, **extra) -> FileVersion:
+    return FileVersion(tenant=tenant, sha256="ab" * 32, size=12345, detected_type="audio/x-wav", extension="wav",
+                       label="a.wav", storage_name="x", precheck_findings={"audio_minutes": 1.5, "nested": {"k": [1, 2]}},
+                       precheck_state=FileVersion.Precheck.PASSED, prechecked_at=CHECKED_AT,
+                       **extra)
+
+
+def _values(obj) -> dict:
+    return {f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields}
+
+
+def test_rows_inserted_read_back_through_the_orm_as_bulk_create_writes_them(tenant):
+    ours, theirs = _file(tenant), _file(tenant)
+    insert_rows([ours])
+    FileVersion.objects.bulk_create([theirs])
+    read_ours, read_theirs = FileVersion.objects.get(pk=ours.pk), FileVersion.objects.get(pk=theirs.pk)
+    skip = {"id", "created_at"}
+    assert {k: v for k, v in _values(read_ours).items() if k not in skip} == \
+        {k: v for k, v in _values(read_theirs).items() if k not in skip}
+    assert read_ours.created_at == ours.created_at  # auto_now_add set on the instance, as save() sets it
+    lane = Lane.objects.get(pk="batch")
+    task = Task(tenant=tenant, file=ours, kind="transcription", target_format="txt", params={"language": "de"},
+                lane=lane, deadline_at=timezone.now() + timedelta(hours=1), due_at=timezone.now())
+    event = TaskEvent(task=task, from_state="", to_state="ACCEPTED", generation=0, actor="t", reason="r", data={"a": 1})
+    with transaction.atomic():  # inside a caller's transaction: its statements, nothing of their own
+        with CaptureQueriesContext(connection) as statements:
+            insert_rows([task])
+            insert_rows([event])
+    assert [q["sql"].split()[0] for q in statements.captured_queries] == ["INSERT", "INSERT"]
+    assert TaskEvent.objects.get(pk=event.pk).task_id == task.pk  # the key the database assigned, read back
+    stored = Task.objects.get(pk=task.pk)
+    assert (stored.params, stored.lane_id, stored.file_id, stored.state, stored.generation) == \
+        ({"language": "de"}, "batch", ours.pk, "ACCEPTED", 0)
+    assert TaskEvent.objects.get(task=task).data == {"a": 1}
+
+
+def test_a_returned_primary_key_rows_beyond_one_statement_and_expressions_left_to_the_orm():
+    channel = VendorChannel.objects.first() or VendorChannel.objects.create(name="rows", base_url="http://127.0.0.1:1")
+    pk = insert_rows([VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=7)], return_pk=True)
+    assert VendorCall.objects.get(pk=pk).duration_ms == 7
+    many = [VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=10 + i) for i in range(2000)]
+    insert_rows(many)
+    assert VendorCall.objects.filter(channel=channel).count() == 2001
+    assert len({call.pk for call in many} - {None}) == 2000
+    insert_rows([VendorCall(channel=channel, operation="poll", outcome="ok", duration_ms=Value(3))])
+    assert VendorCall.objects.filter(channel=channel, duration_ms=3).count() == 1
+
+
+def test_the_embedded_brokers_message_is_written_and_taken_as_django_q2_writes_it():
+    from django.conf import settings
+    from django_q.brokers import get_broker
+    from django_q.models import OrmQ
+
+    if settings.REDIS_URL:
+        pytest.skip("the embedded broker's: with REDIS_URL the broker is Redis")
+    broker = get_broker("sluice-rows-probe")
+    message_id = broker.enqueue("payload")
+    assert OrmQ.objects.get(pk=message_id).key == "sluice-rows-probe"
+    assert broker.queue_size() == 1
+    (taken_id, payload), = broker.dequeue()
+    assert (taken_id, payload) == (message_id, "payload")
+
+
+def test_select_reads_what_the_orm_reads(tenant):
+    kept, deleted = _file(tenant), _file(tenant, deleted_at=timezone.now())
+    FileVersion.objects.bulk_create([kept, deleted])
+    found = select(FileVersion, "id IN (%s, %s) AND tenant_id = %s AND deleted_at IS NULL",
+                   [("id", kept.pk), ("id", deleted.pk), ("tenant", tenant.pk)])
+    assert [f.pk for f in found] == [kept.pk]
+    assert _values(found[0]) == _values(FileVersion.objects.get(pk=kept.pk))
+    assert found[0].precheck_findings["nested"] == {"k": [1, 2]} and found[0].prechecked_at.tzinfo is not None
+    # Deferred fields are loaded on access, as the ORM's .only() defers them.
+    (partial,) = select(FileVersion, "id = %s", [("id", kept.pk)], only=("sha256",),
+                        extra={"twice": "t.size * 2"})
+    assert partial.get_deferred_fields() >= {"label", "precheck_findings"}
+    assert (partial.sha256, partial.twice, partial.label) == (kept.sha256, 24690, "a.wav")
+    # A foreign key read as its own column, converted as the ORM converts it.
+    (by_tenant,) = select(FileVersion, "id = %s", [("id", kept.pk)], only=("tenant",))
+    assert by_tenant.tenant_id == tenant.pk and by_tenant.tenant == tenant
+
+
+def test_select_reads_related_rows_in_its_statement_as_select_related_does(tenant, django_assert_num_queries):
+    file = _file(tenant)
+    file.save()
+    task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
+                               lane=Lane.objects.get(pk="batch"), deadline_at=timezone.now() + timedelta(hours=1))
+    theirs = Task.objects.select_related("file", "lane", "channel").get(pk=task.pk)
+    with django_assert_num_queries(1):
+        (ours,) = select(Task, "t.id = %s", [("id", task.pk)], related=("file", "lane", "channel"),
+                         extra={"file_size": "r_file.size"})
+        assert _values(ours.file) == _values(theirs.file) and _values(ours.lane) == _values(theirs.lane)
+        assert ours.channel is None and _values(ours) == _values(theirs) and ours.file_size == 12345
