@@ -32,6 +32,7 @@ from tasks.models import (
     VendorJob,
 )
 from tasks.observability import log_event
+from tasks.rows import select
 from tasks.vendors.breaker import health_for
 from tasks.vendors.classification import Outcome
 from tasks.vendors.dialects import adapter_for, capabilities_for
@@ -66,7 +67,7 @@ def job_cause(job: VendorJob) -> str:
 
 def task_billing_check(task_id: Any) -> DuplicateIncident | None:
     """Every billed job of the task beyond the one it keeps is recorded in its one incident."""
-    jobs = list(VendorJob.objects.filter(task_id=task_id).order_by("created_at", "id"))
+    jobs = select(VendorJob, "t.task_id = %s ORDER BY t.created_at, t.id", [("task", task_id)])  # every step's end reads them
     if len(jobs) < 2:
         return None
     current = Task.objects.filter(pk=task_id).values_list("vendor_job_id", "generation").first()

@@ -25,6 +25,7 @@ from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, Vendo
 from tasks.observability import log_event
 from tasks.precheck.sandbox import kill_orphans
 from tasks.queueing import queue_backlog, send, send_step
+from tasks.rows import select
 from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
@@ -360,12 +361,7 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
         limits = quotas.quotas_effective(tenants, now=now)
         # A tenant's running quota counts its tasks in every lane (asked only of tenants that have one).
         running_all = {t: quotas.tenant_running(t) for t in tenants if limits[t].max_running is not None}
-        waiting = Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True)
-        order = (F("dispatch_deadline_at").asc(nulls_last=True), "queued_at", "created_at")
-        if len(tenants) == 1:
-            heads = {tenants[0]: list(waiting.order_by(*order)[:free])}
-        else:
-            heads = {t: list(waiting.filter(tenant_id=t).order_by(*order)[:free]) for t in tenants}
+        heads = _waiting_heads(lane, tenants, free)
         rooms = channel_rooms()
         policy = AdmissionPolicy(aging_s=lane.aging_s, urgency_s=lane.urgency_s)
         while free > 0:
@@ -615,3 +611,14 @@ _FULL_PASSES = {
     "vendor_jobs": (_vendor_jobs_to_clean, clean_up_vendor_jobs),
     "billing_audits": (_billing_audits_due, send_due_billing_audits),
 }
+
+
+def _waiting_heads(lane: Lane, tenants: list[Any], count: int) -> dict[Any, list[Task]]:
+    """Each tenant's first `count` tasks waiting in the lane, the earliest dispatch deadline first
+    (none last), then the longest waiting: one statement for one tenant, one a tenant otherwise."""
+    where = ("t.lane_id = %s AND t.state = %s AND t.dispatched_at IS NULL{tenant} "
+             "ORDER BY (t.dispatch_deadline_at IS NULL), t.dispatch_deadline_at, t.queued_at, t.created_at LIMIT %s")
+    if len(tenants) == 1:
+        return {tenants[0]: select(Task, where.format(tenant=""), [("lane", lane.pk), (None, S.QUEUED.value), (None, count)])}
+    return {t: select(Task, where.format(tenant=" AND t.tenant_id = %s"),
+                      [("lane", lane.pk), (None, S.QUEUED.value), ("tenant", t), (None, count)]) for t in tenants}

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Exists
 from django.utils import timezone
 
 from tasks import lifecycle
 from tasks.models import Attempt, DeadLetter, Notification, Task
+from tasks.rows import select
 from tasks.scheduling.budgets import slots_release
 from tasks.services.notifications import event_payload
 from tasks.states import TERMINAL_STATES, State
@@ -80,7 +80,13 @@ def _notification_outbox(task_id: Any, target: State, generation: int) -> None:
     """The terminal event, to be delivered later; it supersedes any older one not yet delivered
     (a replayed dead letter that succeeds must not be heard as "failed" after "succeeded")."""
     older = Notification.objects.filter(task_id=task_id, generation__lt=generation, status=Notification.Status.PENDING)
-    task = Task.objects.select_related("tenant").annotate(older_pending=Exists(older)).get(pk=task_id)
+    pending = (f"EXISTS (SELECT 1 FROM {Notification._meta.db_table} n WHERE n.task_id = t.id "
+               f"AND n.generation < %s AND n.status = %s)")
+    found = select(Task, "t.id = %s", [(None, generation), (None, Notification.Status.PENDING.value), ("id", task_id)],
+                   related=("tenant",), extra={"older_pending": pending})
+    if not found:
+        raise Task.DoesNotExist(f"task {task_id}")
+    task = found[0]
     url = task.callback_url or task.tenant.callback_url
     if task.older_pending:
         older.update(status=Notification.Status.SUPERSEDED, lease_expires_at=None)

@@ -11,7 +11,6 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from tasks.models import AuditEntry, FileVersion, Quarantine, Task
@@ -36,10 +35,12 @@ def content_entries(tenant_id: Any, sha256: str) -> list[dict[str, Any]]:
         "pk", "reason", "released_at", "purged_at", "detector_version"))
 
 
-def content_has_entries() -> Exists:
-    """Whether a task's content has quarantine entries, as an annotation of the task's own read
-    (a pre-check reads the entries only when there are some: usually there are none)."""
-    return Exists(Quarantine.objects.filter(tenant_id=OuterRef("tenant_id"), sha256=OuterRef("file__sha256")))
+def content_has_entries() -> str:
+    """Whether a task's content has quarantine entries, as SQL for the task's own read
+    (`tasks.rows.select` of a task with its file joined: a pre-check reads the entries only when
+    there are some, and usually there are none)."""
+    return (f"EXISTS (SELECT 1 FROM {Quarantine._meta.db_table} q "
+            f"WHERE q.tenant_id = t.tenant_id AND q.sha256 = r_file.sha256)")
 
 
 def released_from_poison(entries: list[dict[str, Any]]) -> bool:

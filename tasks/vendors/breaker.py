@@ -21,6 +21,7 @@ from django.utils import timezone
 from tasks import timescale
 from tasks.models import BreakerTransition, ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
+from tasks.rows import select
 from tasks.vendors.errors import BreakerOpen
 from tasks.vendors.policies import BreakerPolicy
 
@@ -42,9 +43,9 @@ _seen: dict[tuple[int, str], tuple[float, ChannelHealth]] = {}
 
 
 def health_for(channel: VendorChannel) -> ChannelHealth:
-    health, _ = ChannelHealth.objects.get_or_create(
-        channel=channel, defaults={"retry_tokens": channel.retry_budget_capacity}
-    )
+    found = select(ChannelHealth, "t.channel_id = %s", [("channel", channel.pk)])  # read on every step's calls
+    health = found[0] if found else ChannelHealth.objects.get_or_create(
+        channel=channel, defaults={"retry_tokens": channel.retry_budget_capacity})[0]
     _seen[(os.getpid(), channel.pk)] = (time.monotonic(), health)
     return health
 
