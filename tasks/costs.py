@@ -28,7 +28,12 @@ _flushing = [False]  # this process's flusher has started
 
 def directory() -> Path | None:
     raw = os.environ.get("SLUICE_COUNT_DIR")
-    return Path(raw) if raw else None
+    if raw != _directory[0]:  # asked for at every statement: the path is made when it changes
+        _directory[:] = [raw, Path(raw) if raw else None]
+    return _directory[1]
+
+
+_directory: list[Any] = [None, None]
 
 
 def count(kind: str, n: int = 1) -> None:
@@ -85,8 +90,23 @@ _TABLED = {"SELECT", "INSERT INTO", "UPDATE", "DELETE FROM"}
 def kind(sql: str) -> str:
     """A statement's verb and the first table it names: `SELECT tasks_task`, `SAVEPOINT`; a
     statement with a WITH clause by its main verb (`WITH INSERT INTO tasks_taskevent`), a compound
-    one (`(SELECT …) UNION ALL (SELECT …)`) by its first part."""
-    found = _KIND.match(sql[:400].lstrip(" \n("))
+    one (`(SELECT …) UNION ALL (SELECT …)`) by its first part; a SELECT by the table of its own
+    FROM, not a subquery's among its columns. Worked out once per distinct statement text."""
+    found = _kinds.get(sql)
+    if found is None:
+        if len(_kinds) >= 4096:
+            _kinds.clear()
+        found = _kinds[sql] = _kind(sql)
+    return found
+
+
+_kinds: dict[str, str] = {}
+_PAREN_OR_FROM = re.compile(r'[()]|\bFROM\s*"?(\w*)', re.IGNORECASE)
+
+
+def _kind(sql: str) -> str:
+    text = sql.lstrip(" \n(")
+    found = _KIND.match(text[:400])
     if not found:
         return "other"
     verb = (found.group(1) or found.group(3) or found.group(5)).upper()
@@ -94,6 +114,16 @@ def kind(sql: str) -> str:
     if verb == "WITH":
         main = _MAIN_AFTER_WITH.search(sql)
         return f"WITH {main.group(1).upper()} {main.group(2)}".strip() if main else "WITH"
+    if verb == "SELECT":
+        depth = 0
+        for token in _PAREN_OR_FROM.finditer(text):
+            if token.group(0) in "()":
+                depth += 1 if token.group(0) == "(" else -1
+                if depth < 0:  # the end of a compound's first part
+                    break
+            elif depth == 0:
+                table = token.group(1)
+                break
     return f"{verb} {table}".strip() if verb in _TABLED else verb
 
 

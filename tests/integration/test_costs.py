@@ -83,6 +83,10 @@ def test_a_statement_is_counted_by_its_kind_never_by_its_values():
         "SELECT tasks_budgetslot"
     # A literal in the text is not a kind of its own.
     assert costs.kind("SELECT 'secret-value' FROM \"tasks_task\"") == "SELECT tasks_task"
+    # A long column list, and a subquery among the columns: the table is the statement's own FROM's.
+    columns = ", ".join(f't."c{i}"' for i in range(80))
+    assert costs.kind(f'SELECT {columns}, (SELECT SUM(c.n) FROM "tasks_lanetenantload" c WHERE c.lane = t.name) AS n '
+                      f'FROM "tasks_lane" t WHERE t.name = %s') == "SELECT tasks_lane"
     # PostgreSQL's bulk insert reads from UNNEST: the table is the one inserted into.
     assert costs.kind('INSERT INTO "tasks_vendorcall" ("a", "b") SELECT * FROM UNNEST((%s)::integer[], (%s)::text[])') == \
         "INSERT INTO tasks_vendorcall"
