@@ -27,6 +27,7 @@ from django.db.models import Q
 
 from fakevendor.control import VendorControl
 from tasks import costs as costs_module
+from tasks.bench import cpu
 from tasks.models import Lane, Task, TaskEvent, VendorChannel
 from tasks.poc import files
 from tasks.services.tenancy import tenant_ensure, token_issue
@@ -180,8 +181,10 @@ class Bench:
             raise RuntimeError(f"{len(errors)} of {count} calls failed, first: {errors[0]}") from errors[0]
         return results
 
-    def _rate(self, seconds: float, threads: int, call: Callable[[httpx.Client], None]) -> float:
-        """Calls per second by `threads` clients for `seconds`."""
+    def _rate(self, seconds: float, threads: int, call: Callable[[httpx.Client], None],
+              web_cpu: list[float] | None = None) -> float:
+        """Calls per second by `threads` clients for `seconds`; with `web_cpu`, the CPU seconds the
+        web server's processes spent meanwhile and the calls made are added to it."""
         done = [0]
         lock = threading.Lock()
         stop_at = time.monotonic() + seconds
@@ -193,13 +196,27 @@ class Bench:
                     with lock:
                         done[0] += 1
 
+        cpu_before = self._web_cpu_s() if web_cpu is not None else 0.0
         started = time.monotonic()
         pool = [threading.Thread(target=run) for _ in range(threads)]
         for thread in pool:
             thread.start()
         for thread in pool:
             thread.join()
-        return done[0] / (time.monotonic() - started)
+        rate = done[0] / (time.monotonic() - started)
+        if web_cpu is not None:
+            web_cpu[0] += self._web_cpu_s() - cpu_before
+            web_cpu[1] += done[0]
+        return rate
+
+    def _cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each process of the stack (with its workers and their
+        reaped children), this benchmark's own process, PostgreSQL and Redis (tasks/bench/cpu.py)."""
+        roots = {name: managed.process.pid for name, managed in self.stack.processes.items()}
+        return cpu.cpu_seconds({**roots, "bench": os.getpid()})
+
+    def _web_cpu_s(self) -> float:
+        return self._cpu()["web"]
 
     def _costs(self) -> dict[str, int]:
         return costs_module.totals(self.workdir / "costs")
@@ -214,6 +231,7 @@ class Bench:
         # The uploads' statements are flushed by then, so they are not counted as the run's.
         time.sleep(2 * costs_module.FLUSH_S + 0.2)
         costs_before = self._costs()
+        cpu_before = self._cpu()
         started = time.monotonic()
         # Half interactive, half batch: both lanes' clusters work, as many workers as the references.
         ids = self._concurrently(count, 8, lambda client, i: self._submit(
@@ -226,6 +244,12 @@ class Bench:
             time.sleep(0.05)
         elapsed = time.monotonic() - started
         succeeded = Task.objects.filter(pk__in=ids, state=State.SUCCEEDED).count()
+        # Where the CPU went, per task and by process (the kernel's accounting), beside the same
+        # figure of the bare vendor loop.
+        used = cpu.spent(cpu_before, self._cpu())
+        self.figures["pipeline_cpu_ms_per_task"] = {
+            name: round(seconds * 1000 / max(succeeded, 1), 1)
+            for name, seconds in sorted(used.items(), key=lambda item: -item[1]) if seconds > 0}
         time.sleep(2 * costs_module.FLUSH_S + 0.2)  # every process has written what it counted
         spent = self._costs()
         # Everything the system did meanwhile, divided by the tasks (the dispatcher's idle ticks too).
@@ -382,9 +406,14 @@ class Bench:
             client.get(f"{base}/v1/jobs/{job['id']}/result", headers=key).raise_for_status()
             client.get(f"{base}/v1/jobs", params={"client_ref": ref}, headers=key)
 
+        cpu_before = self._cpu()
         started = time.monotonic()
         self._concurrently(count, WORKERS, one)
         self.figures["bare_vendor_loop_tps"] = round(count / (time.monotonic() - started), 2)
+        used = cpu.spent(cpu_before, self._cpu())
+        self.figures["vendor_loop_cpu_ms_per_task"] = {
+            name: round(seconds * 1000 / count, 1) for name, seconds in sorted(used.items(), key=lambda item: -item[1])
+            if seconds > 0}
 
     def uploads(self) -> None:
         size = (256 if self.quick else 1024) * 1024 * 1024
@@ -567,13 +596,22 @@ class Bench:
                 raise RuntimeError(f"a batch item was refused: {answer.json()['data'][:3]}")
 
         rates: dict[str, list[float]] = {"bare": [], "intake": [], "batch": []}
+        web_cpu = {name: [0.0, 0] for name in rates}  # the web's CPU seconds, and the requests they served
         for _ in range(2):
-            rates["bare"].append(self._rate(seconds / 2, 8, bare))
-            rates["intake"].append(self._rate(seconds / 2, 8, submit))
-            rates["batch"].append(self._rate(seconds / 2, 2, submit_batch) * BATCH_SIZE)
+            rates["bare"].append(self._rate(seconds / 2, 8, bare, web_cpu["bare"]))
+            rates["intake"].append(self._rate(seconds / 2, 8, submit, web_cpu["intake"]))
+            rates["batch"].append(self._rate(seconds / 2, 2, submit_batch, web_cpu["batch"]) * BATCH_SIZE)
         self.figures["bare_view_rps"] = round(statistics.mean(rates["bare"]), 1)
         self.figures["intake_rps"] = round(statistics.mean(rates["intake"]), 1)
         self.figures["batch_intake_tps"] = round(statistics.mean(rates["batch"]), 1)
+        # Where intake's ratio comes from: the web server's CPU per request (the bare view's, a
+        # submission's, a batch's per item), whatever the machine's other load.
+        per = {name: spent / served * 1000 for name, (spent, served) in web_cpu.items() if served}
+        if "batch" in per:
+            per["batch"] /= BATCH_SIZE
+        self.figures["web_cpu_ms_per_request"] = {name: round(value, 2) for name, value in per.items()}
+        self.figures["intake_web_cpu_ms"] = round(per["intake"], 2) if "intake" in per else None
+        self.figures["bare_web_cpu_ms"] = round(per["bare"], 2) if "bare" in per else None
 
     def matrix(self) -> None:
         """Seed 003's matrix: worker count x vendor latency -> throughput, p95 wait and the share of
@@ -659,6 +697,7 @@ def ratios(f: dict[str, Any]) -> dict[str, Any]:
     f["intake_upload_ratio"] = ratio("intake_upload_mb_s", "curl_upload_mb_s")
     f["convert_vs_bare"] = ratio("convert_docs_per_min", "bare_convert_docs_per_min")
     f["batch_vs_single"] = ratio("batch_intake_tps", "intake_rps")
+    f["intake_web_cpu_ratio"] = ratio("intake_web_cpu_ms", "bare_web_cpu_ms")
     return f
 
 

@@ -25,6 +25,7 @@ SETUPS = {
 ROWS = [
     ("intake (tasks/s vs bare view)", "intake_rps", "bare_view_rps", "intake_ratio"),
     ("batch intake (tasks/s vs single)", "batch_intake_tps", "intake_rps", "batch_vs_single"),
+    ("web CPU per submission (ms vs bare view)", "intake_web_cpu_ms", "bare_web_cpu_ms", "intake_web_cpu_ratio"),
     ("SQL statements per task (counted)", "statements_per_task", None, "statements_per_task"),
     ("queue messages per task (counted)", "queue_messages_per_task", None, "queue_messages_per_task"),
     ("pipeline (tasks/s vs raw django-q2)", "pipeline_tps", "raw_q2_tps", "pipeline_vs_q2"),
@@ -129,6 +130,10 @@ class Command(BaseCommand):
             if kinds:
                 largest = ", ".join(f"{name} {value:g}" for name, value in list(kinds.items())[:8])
                 self.stdout.write(f"  statements per task, the largest kinds: {largest}")
+            for key, label in (("pipeline_cpu_ms_per_task", "pipeline"), ("vendor_loop_cpu_ms_per_task", "bare vendor loop")):
+                if figures.get(key):
+                    spent = ", ".join(f"{name} {value:g}" for name, value in figures[key].items())
+                    self.stdout.write(f"  CPU per task (ms), {label}: {spent}")
             matrix = figures.get("matrix")
             if matrix:
                 self.stdout.write(f"  pool size x vendor latency ({matrix['tasks_per_cell']} tasks a cell, deadline 60 s nominal)")
