@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import connections, router, transaction
 from django.db.models import F, QuerySet
 from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
+from tasks import rows
 from tasks.models import Task, TaskEvent
 from tasks.rows import insert_rows
 from tasks.states import State
@@ -80,39 +81,71 @@ def transition(
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
     now = timezone.now()
     changes.update(state=target, generation=F("generation") + 1, updated_at=now)
-    row = Task.objects.filter(pk=task_id, state=source, generation=generation)
+    row = {"id": task_id, "state": source, "generation": generation}
     event = TaskEvent(task_id=task_id, from_state=source, to_state=target, generation=generation + 1,
                       actor=actor[:100], reason=reason[:300], data=data or {}, at=now)
-    if connections[row.db].vendor == "postgresql":
+    alias = router.db_for_write(Task)
+    if connections[alias].vendor == "postgresql":
         moved = _update_and_record(row, changes, event)
     else:
         # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
-        with transaction.atomic(using=row.db, savepoint=False):
-            moved = bool(row.update(**changes))
+        with transaction.atomic(using=alias, savepoint=False):
+            moved = bool(_update(row, changes))
             if moved:
-                insert_rows([event], using=row.db)
+                insert_rows([event], using=alias)
     return Moved(generation=generation + 1) if moved else None
+
+
+def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
+    """The compare-and-set's UPDATE of the task at `conditions` (its id, state and generation, and
+    what the caller expects of it): a statement built once per shape (tasks/rows.py) when the
+    conditions are plain fields and the changes values or `F(field) ± n`, else the ORM's (the
+    same SQL, compiled for each call)."""
+    built = _built(conditions, changes)
+    if built is None:
+        return _matching(conditions).update(**changes)
+    with connections[router.db_for_write(Task)].cursor() as cursor:
+        cursor.execute(*built)
+        return cursor.rowcount
+
+
+def _built(conditions: dict[str, Any], changes: dict[str, Any], returning: str = "") -> tuple[str, list[Any]] | None:
+    if any("__" in name for name in conditions):
+        return None
+    where, params = rows.matching(Task, conditions)
+    return rows.update_sql(Task, changes, where, params, returning=returning)
+
+
+def _matching(conditions: dict[str, Any]) -> QuerySet:
+    others = dict(conditions)
+    return Task.objects.filter(pk=others.pop("id"), **others)
 
 
 _EVENT_COLUMNS = ("task_id", "from_state", "to_state", "generation", "actor", "reason", "data", "at")
 
 
-def _update_and_record(row: QuerySet, changes: dict[str, Any], event: TaskEvent) -> bool:
+def _update_and_record(row: dict[str, Any], changes: dict[str, Any], event: TaskEvent) -> bool:
     """The compare-and-set and its history entry in one statement (PostgreSQL): the UPDATE's
     RETURNING feeds the INSERT, so the entry exists exactly when the row moved, without a
     transaction of its own or a second round trip."""
-    connection = connections[row.db]
-    query = row.query.chain(UpdateQuery)
-    query.add_update_values(changes)
-    compiler = query.get_compiler(row.db)
-    compiler.pre_sql_setup()
-    update_sql, update_params = compiler.as_sql()
+    alias = router.db_for_write(Task)
+    connection = connections[alias]
+    pk = connection.ops.quote_name(Task._meta.pk.column)
+    built = _built(row, changes, returning=f"t.{pk}")
+    if built is not None:
+        update_sql, update_params = built
+    else:
+        query = _matching(row).query.chain(UpdateQuery)
+        query.add_update_values(changes)
+        compiler = query.get_compiler(alias)
+        compiler.pre_sql_setup()
+        update_sql, update_params = compiler.as_sql()
+        update_sql += f" RETURNING {pk}"
     fields = [TaskEvent._meta.get_field(name) for name in _EVENT_COLUMNS]
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
     casts = ", ".join(f"%s::{field.db_type(connection)}" for field in fields[1:])
     values = [field.get_db_prep_save(getattr(event, field.attname), connection) for field in fields[1:]]
-    pk = connection.ops.quote_name(Task._meta.pk.column)
-    sql = (f"WITH moved AS ({update_sql} RETURNING {pk}) "
+    sql = (f"WITH moved AS ({update_sql}) "
            f"INSERT INTO {connection.ops.quote_name(TaskEvent._meta.db_table)} ({columns}) "
            f"SELECT moved.{pk}, {casts} FROM moved")
     with connection.cursor() as cursor:
@@ -127,7 +160,7 @@ def task_update(task_id: Any, *, state: State | str, generation: int, expect: di
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     fields["updated_at"] = timezone.now()
-    return bool(Task.objects.filter(pk=task_id, state=state, generation=generation, **(expect or {})).update(**fields))
+    return bool(_update({"id": task_id, "state": state, "generation": generation, **(expect or {})}, fields))
 
 
 def task_update_recorded(task_id: Any, *, state: State | str, generation: int, actor: str, reason: str,
@@ -138,14 +171,15 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
         raise IllegalTransition("use transition() to change state or generation")
     now = timezone.now()
     fields["updated_at"] = now
-    row = Task.objects.filter(pk=task_id, state=state, generation=generation)
+    row = {"id": task_id, "state": state, "generation": generation}
     event = TaskEvent(task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300], data=data or {},
                       at=now)
-    if connections[row.db].vendor == "postgresql":
+    alias = router.db_for_write(Task)
+    if connections[alias].vendor == "postgresql":
         return _update_and_record(row, fields, event)
-    updated = bool(row.update(**fields))
+    updated = bool(_update(row, fields))
     if updated:
-        insert_rows([event], using=row.db)
+        insert_rows([event], using=alias)
     return updated
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, router, transaction
-from django.db.models import AutoField, Model
+from django.db.models import AutoField, F, Model, Value
+from django.db.models.expressions import CombinedExpression
 
 _COLUMNS: dict[tuple[type, str], tuple[list, str]] = {}
 
@@ -193,3 +194,58 @@ def _select(model: type[Model], alias: str, only: tuple[str, ...] | None, relate
                 start += 1
         _SELECTS[key] = _Shape(columns=", ".join(columns), tables=tables, parts=parts, converters=converters, width=start)
     return _SELECTS[key]
+
+
+def update_sql(model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]],
+               *, returning: str = "") -> tuple[str, list[Any]] | None:
+    """The statement `UPDATE <model's table> AS t SET … WHERE <where>` and its parameters, built
+    without the ORM's compiler; None when a change is an expression other than `F(field) ± n`
+    (left to the ORM). Values are prepared as QuerySet.update prepares them (a model instance
+    for a foreign key by its key; no auto_now, as update() sets none); `where` and `params` as
+    for `select`."""
+    connection = connections[router.db_for_write(model)]
+    quote = connection.ops.quote_name
+    sets, values = [], []
+    for name, value in changes.items():
+        field = _field(model, name)
+        column = quote(field.column)
+        if isinstance(value, CombinedExpression):
+            if not (isinstance(value.lhs, F) and isinstance(value.rhs, Value) and value.connector in ("+", "-")):
+                return None
+            sets.append(f"{column} = {quote(_field(model, value.lhs.name).column)} {value.connector} %s")
+            values.append(value.rhs.value)
+            continue
+        if hasattr(value, "resolve_expression"):
+            return None
+        if isinstance(value, Model) and field.remote_field:
+            value = value.prepare_database_save(field)
+        sets.append(f"{column} = %s")
+        values.append(field.get_db_prep_save(value, connection))
+    values += [value if name is None else _field(model, name).get_db_prep_value(value, connection)
+               for name, value in params]
+    sql = f"UPDATE {quote(model._meta.db_table)} AS t SET {', '.join(sets)} WHERE {where}"
+    return (f"{sql} RETURNING {returning}" if returning else sql), values
+
+
+def update(model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]]) -> int | None:
+    """Run `update_sql`'s statement: the rows it changed, or None when it left the change to the
+    ORM (nothing was run)."""
+    built = update_sql(model, changes, where, params)
+    if built is None:
+        return None
+    with connections[router.db_for_write(model)].cursor() as cursor:
+        cursor.execute(*built)
+        return cursor.rowcount
+
+
+def matching(model: type[Model], conditions: dict[str, Any]) -> tuple[str, list[tuple[str | None, Any]]]:
+    """`t.<column> = %s AND …` for field values (`IS NULL` for None), with their parameters."""
+    parts, params = [], []
+    for name, value in conditions.items():
+        column = f"t.{connections[router.db_for_read(model)].ops.quote_name(_field(model, name).column)}"
+        if value is None:
+            parts.append(f"{column} IS NULL")
+        else:
+            parts.append(f"{column} = %s")
+            params.append((name, value.pk if isinstance(value, Model) else value))
+    return " AND ".join(parts), params

@@ -15,7 +15,7 @@ from django.db.models import CharField, Count, Q, Value
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
-from tasks.rows import insert_rows
+from tasks.rows import insert_rows, update
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
 
@@ -94,9 +94,10 @@ def slots_reserve(task: Task, channel: VendorChannel) -> None:
 
 def slots_release(task_id, *kinds: str, reason: str, hold_s: float = 0.0) -> int:
     """Release the task's open slots now, or `hold_s` real seconds from now."""
-    return BudgetSlot.objects.filter(task_id=task_id, kind__in=kinds or (JOB, UPLOAD), released_at__isnull=True).update(
-        released_at=timezone.now() + timedelta(seconds=hold_s), release_reason=reason[:100]
-    )
+    kinds = kinds or (JOB, UPLOAD)
+    return update(BudgetSlot, {"released_at": timezone.now() + timedelta(seconds=hold_s), "release_reason": reason[:100]},
+                  f"t.task_id = %s AND t.kind IN ({', '.join(['%s'] * len(kinds))}) AND t.released_at IS NULL",
+                  [("task", task_id), *(("kind", kind) for kind in kinds)])  # every step's end releases some
 
 
 def vendor_job_terminal(job: VendorJob, status: str) -> bool:

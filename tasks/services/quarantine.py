@@ -17,6 +17,7 @@ from tasks.models import AuditEntry, FileVersion, Quarantine, Task
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.precheck.sandbox import run_precheck
+from tasks.rows import update
 from tasks.services.replay import task_replay
 from tasks.states import State
 from tasks.storage import delete_stored, local_copy
@@ -55,7 +56,8 @@ def file_precheck(*, file: FileVersion, entries: list[dict[str, Any]] | None = N
     state = FileVersion.Precheck.PASSED if result.verdict == "pass" else FileVersion.Precheck.QUARANTINED
     verdict = dict(precheck_state=state, precheck_findings=result.findings,
                    precheck_version=result.findings.get("detector_version", DETECTOR_VERSION), prechecked_at=timezone.now())
-    if FileVersion.objects.filter(pk=file.pk, precheck_state=FileVersion.Precheck.PENDING).update(**verdict):
+    if update(FileVersion, verdict, "t.id = %s AND t.precheck_state = %s",
+              [("id", file.pk), ("precheck_state", FileVersion.Precheck.PENDING)]):
         for name, value in verdict.items():
             setattr(file, name, value)
     else:

@@ -112,3 +112,23 @@ def test_select_reads_related_rows_in_its_statement_as_select_related_does(tenan
                          extra={"file_size": "r_file.size"})
         assert _values(ours.file) == _values(theirs.file) and _values(ours.lane) == _values(theirs.lane)
         assert ours.channel is None and _values(ours) == _values(theirs) and ours.file_size == 12345
+
+
+def test_update_changes_what_queryset_update_changes(tenant):
+    from django.db.models import F
+
+    from tasks.rows import matching, update
+
+    file = _file(tenant)
+    file.save()
+    task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
+                               deadline_at=timezone.now() + timedelta(hours=1))
+    lane = Lane.objects.get(pk="batch")
+    where, params = matching(Task, {"id": task.pk, "state": "ACCEPTED", "generation": 0, "lane": None})
+    assert update(Task, {"lane": lane, "attempts": F("attempts") + 2, "params": {"x": [1]}}, where, params) == 1
+    assert update(Task, {"attempts": F("attempts") + 2}, where, params) == 0  # lane is no longer NULL
+    stored = Task.objects.get(pk=task.pk)
+    assert (stored.lane_id, stored.attempts, stored.params) == ("batch", 2, {"x": [1]})
+    # An expression it does not build is left to the ORM: nothing runs.
+    assert update(Task, {"attempts": F("attempts") * 2}, "t.id = %s", [("id", task.pk)]) is None
+    assert Task.objects.get(pk=task.pk).attempts == 2

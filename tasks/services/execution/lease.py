@@ -9,12 +9,11 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Q
 from django.utils import timezone
 
 from tasks import timescale
 from tasks.models import Attempt, Task
-from tasks.rows import select
+from tasks.rows import select, update
 from tasks.states import State
 from tasks.vendors.errors import StopUpload
 
@@ -48,10 +47,10 @@ class Lease:
     def claim(cls, task: Task) -> Lease | None:
         lease = cls(task)
         now = timezone.now()
-        taken = Task.objects.filter(
-            Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now),
-            pk=task.pk, state=task.state, generation=task.generation,
-        ).update(lease_owner=lease.owner, lease_expires_at=now + timedelta(seconds=lease_seconds()))
+        taken = update(Task, {"lease_owner": lease.owner, "lease_expires_at": now + timedelta(seconds=lease_seconds())},
+                       "t.id = %s AND t.state = %s AND t.generation = %s "
+                       "AND (t.lease_expires_at IS NULL OR t.lease_expires_at < %s)",
+                       [("id", task.pk), ("state", task.state), ("generation", task.generation), ("lease_expires_at", now)])
         if not taken:
             return None
         lease._next_renewal = time.monotonic() + lease_seconds() / 3
