@@ -104,8 +104,9 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
     ORDER BY), `%s` for each parameter; each parameter is given with the name of the field it is
     compared with and prepared as the ORM prepares it for that field (None: as it is).
     `only`: the fields read (the others deferred, the primary key always read). `related`:
-    foreign keys whose rows are read in the same statement, as select_related reads them (a LEFT
-    JOIN each, aliased `r_<name>`; a missing one is None). `extra`: more columns, SQL expressions
+    foreign keys (or the reverse side of one-to-one keys) whose rows are read in the same
+    statement, as select_related reads them (a LEFT JOIN each, aliased `r_<name>`; a missing one
+    is None). `extra`: more columns, SQL expressions
     (over `t` and the joined aliases), each set on the instances under its name, as read."""
     alias = router.db_for_read(model)
     connection = connections[alias]
@@ -178,8 +179,11 @@ def _select(model: type[Model], alias: str, only: tuple[str, ...] | None, relate
             via = model._meta.get_field(name)
             target = via.related_model
             table_alias = f"r_{name}"
-            tables += (f" LEFT JOIN {quote(target._meta.db_table)} {table_alias} "
-                       f"ON {table_alias}.{quote(via.target_field.column)} = t.{quote(via.column)}")
+            if via.one_to_one and via.auto_created:  # the reverse side of a one-to-one (its row's key is ours)
+                join = f"{table_alias}.{quote(via.field.column)} = t.{quote(via.field.target_field.column)}"
+            else:
+                join = f"{table_alias}.{quote(via.target_field.column)} = t.{quote(via.column)}"
+            tables += f" LEFT JOIN {quote(target._meta.db_table)} {table_alias} ON {join}"
             segments.append((table_alias, target, list(target._meta.concrete_fields), via))
         columns, parts, converters, start = [], [], [], 0
         for table_alias, part_model, part_fields, via in segments:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tasks.models import ChannelHealth, Task, VendorChannel
+from tasks.rows import select
 from tasks.scheduling.budgets import channels_usage, lane_rows
 from tasks.vendors import breaker
 from tasks.vendors.dialects import capabilities_for
@@ -66,7 +67,8 @@ def channel_rooms() -> dict[str, ChannelRoom]:
     """Every enabled channel's room, read fresh (two statements, whatever the number of
     channels: the channels with their health, and their usage)."""
     rooms: dict[str, ChannelRoom] = {}
-    channels = list(VendorChannel.objects.filter(enabled=True).select_related("health"))
+    channels = select(VendorChannel, "t.enabled = %s ORDER BY t.preference, t.name", [("enabled", True)],
+                      related=("health",))
     usages = channels_usage(channels)
     for channel in channels:
         health = getattr(channel, "health", None) or breaker.health_for(channel)

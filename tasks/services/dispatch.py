@@ -299,7 +299,8 @@ def lanes_with_waiting_work() -> list[Lane]:
     """The unpaused lanes that have queued tasks not yet dispatched, in dispatch order: one
     statement, from the lanes' counter rows (what admission's own first look reads), whatever
     the backlog."""
-    return list(Lane.objects.filter(paused=False, pk__in=counters.lanes_with_queued()).order_by("dispatch_order"))
+    return select(Lane, f"t.paused = %s AND t.name IN ({counters.LANES_WITH_QUEUED}) ORDER BY t.dispatch_order",
+                  [("paused", False)])
 
 
 def _deferred(now: datetime | None = None) -> QuerySet:

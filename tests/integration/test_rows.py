@@ -132,3 +132,15 @@ def test_update_changes_what_queryset_update_changes(tenant):
     # An expression it does not build is left to the ORM: nothing runs.
     assert update(Task, {"attempts": F("attempts") * 2}, "t.id = %s", [("id", task.pk)]) is None
     assert Task.objects.get(pk=task.pk).attempts == 2
+
+
+def test_select_reads_the_reverse_side_of_a_one_to_one(django_assert_num_queries):
+    from tasks.models import ChannelHealth
+
+    with_health = VendorChannel.objects.create(name="rows-a", base_url="http://127.0.0.1:1", preference=1)
+    ChannelHealth.objects.create(channel=with_health, retry_tokens=3)
+    VendorChannel.objects.create(name="rows-b", base_url="http://127.0.0.1:1", preference=0)
+    with django_assert_num_queries(1):
+        found = {c.name: c for c in select(VendorChannel, "t.name IN (%s, %s)", [("name", "rows-a"), ("name", "rows-b")],
+                                           related=("health",))}
+        assert found["rows-a"].health.retry_tokens == 3 and getattr(found["rows-b"], "health", None) is None
