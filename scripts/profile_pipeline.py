@@ -5,8 +5,11 @@ per kind of process and the functions of Sluice that hold the most of them.
     python scripts/profile_pipeline.py [--setup sqlite|postgres_redis] [--rate 50] [--seconds 25] [--raw FILE]
     python scripts/profile_pipeline.py --summarise FILE   # an earlier recording
 
-py-spy samples the processes from outside (no code is changed); what it counts is time on the CPU,
-with idle threads left out. The recording starts once the pipeline's tasks are being submitted.
+py-spy samples the processes from outside (no code is changed, and `--nonblocking` never pauses
+them); it samples only threads holding the GIL (`--gil`: Python running). Without it, the
+recordings here counted sleeping threads as running (the web's cost-counting flusher, asleep,
+held a third of its samples). The recording starts once the pipeline's tasks are being
+submitted. The CPU each process used is counted by the benchmark itself (`pipeline_cpu_ms_per_task`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def record(setup: str, rate: int, seconds: int, raw: Path) -> None:
             time.sleep(0.2)
         if child is None:
             sys.exit(f"the benchmark did not start (see {log})")
-        subprocess.run([spy, "record", "--subprocesses", "--nonblocking", "-r", str(rate), "-d", str(seconds),
+        subprocess.run([spy, "record", "--gil", "--subprocesses", "--nonblocking", "-r", str(rate), "-d", str(seconds),
                         "-f", "raw", "-o", str(raw), "-p", child], check=True, capture_output=True)
         bench.wait(timeout=600)
     finally:

@@ -126,6 +126,10 @@ class Command(BaseCommand):
                 ok = verdict.get(ratio_key)
                 mark = "—" if ok is None else ("meets" if ok else "MISSES")
                 self.stdout.write(f"  {label:<40} {_fmt(value):>10} {_fmt(ref):>10} {_fmt(ratio):>8} {_fmt(target):>8}  {mark}")
+            waits = figures.get("interactive_wait_s_under_flood")
+            if waits:
+                self.stdout.write(f"  interactive wait under flood (s): p50 {_fmt(waits['p50'])}, p95 {_fmt(waits['p95'])}, "
+                                  f"max {_fmt(waits['max'])}")
             kinds = figures.get("statements_per_task_by_kind")
             if kinds:
                 largest = ", ".join(f"{name} {value:g}" for name, value in list(kinds.items())[:8])
