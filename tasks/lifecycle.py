@@ -104,16 +104,15 @@ def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
     built = _built(conditions, changes)
     if built is None:
         return _matching(conditions).update(**changes)
-    with connections[router.db_for_write(Task)].cursor() as cursor:
+    alias = router.db_for_write(Task)
+    with transaction.mark_for_rollback_on_error(using=alias), connections[alias].cursor() as cursor:
         cursor.execute(*built)
         return cursor.rowcount
 
 
 def _built(conditions: dict[str, Any], changes: dict[str, Any], returning: str = "") -> tuple[str, list[Any]] | None:
-    if any("__" in name for name in conditions):
-        return None
-    where, params = rows.matching(Task, conditions)
-    return rows.update_sql(Task, changes, where, params, returning=returning)
+    matched = rows.matching(Task, conditions)
+    return None if matched is None else rows.update_sql(Task, changes, *matched, returning=returning)
 
 
 def _matching(conditions: dict[str, Any]) -> QuerySet:
@@ -160,7 +159,12 @@ def task_update(task_id: Any, *, state: State | str, generation: int, expect: di
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     fields["updated_at"] = timezone.now()
+    if _CAS_KEYS & (expect or {}).keys():
+        raise TypeError(f"expect may not name {sorted(_CAS_KEYS & expect.keys())}: the compare-and-set's own")
     return bool(_update({"id": task_id, "state": state, "generation": generation, **(expect or {})}, fields))
+
+
+_CAS_KEYS = {"id", "pk", "state", "generation"}
 
 
 def task_update_recorded(task_id: Any, *, state: State | str, generation: int, actor: str, reason: str,
@@ -177,9 +181,10 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
     alias = router.db_for_write(Task)
     if connections[alias].vendor == "postgresql":
         return _update_and_record(row, fields, event)
-    updated = bool(_update(row, fields))
-    if updated:
-        insert_rows([event], using=alias)
+    with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
+        updated = bool(_update(row, fields))
+        if updated:
+            insert_rows([event], using=alias)
     return updated
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, router, transaction
-from django.db.models import AutoField, F, Model, Value
+from django.db.models import AutoField, F, FloatField, IntegerField, Model, Value
 from django.db.models.expressions import CombinedExpression
+from django.db.models.fields.reverse_related import ForeignObjectRel
 
 _COLUMNS: dict[tuple[type, str], tuple[list, str]] = {}
 
@@ -54,7 +55,7 @@ def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None
         rows.append(values)
     placeholders = "(" + ", ".join(["%s"] * len(fields)) + ")"
     suffix = f" RETURNING {connection.ops.quote_name(pk_field.column)}" if returning else ""
-    with connection.cursor() as cursor:
+    with transaction.mark_for_rollback_on_error(using=alias), connection.cursor() as cursor:
         for start in range(0, len(objs), size):
             batch = rows[start:start + size]
             cursor.execute(f"{columns} VALUES {', '.join([placeholders] * len(batch))}{suffix}",
@@ -132,7 +133,10 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
             if part.via is None:
                 row = part.model.from_db(alias, part.names, piece)
             else:
-                part.via.set_cached_value(row, None if piece[part.key] is None else part.model.from_db(alias, part.names, piece))
+                joined = None if piece[part.key] is None else part.model.from_db(alias, part.names, piece)
+                part.via.set_cached_value(row, joined)
+                if joined is not None and isinstance(part.via, ForeignObjectRel):
+                    part.via.field.set_cached_value(joined, row)  # health.channel, as select_related sets it
         for name, value in zip(extra, values[shape.width:], strict=True):
             setattr(row, name, value)
         rows.append(row)
@@ -179,7 +183,7 @@ def _select(model: type[Model], alias: str, only: tuple[str, ...] | None, relate
             via = model._meta.get_field(name)
             target = via.related_model
             table_alias = f"r_{name}"
-            if via.one_to_one and via.auto_created:  # the reverse side of a one-to-one (its row's key is ours)
+            if isinstance(via, ForeignObjectRel):  # the reverse side of a one-to-one (its row's key is ours)
                 join = f"{table_alias}.{quote(via.field.column)} = t.{quote(via.field.target_field.column)}"
             else:
                 join = f"{table_alias}.{quote(via.target_field.column)} = t.{quote(via.column)}"
@@ -203,25 +207,33 @@ def _select(model: type[Model], alias: str, only: tuple[str, ...] | None, relate
 def update_sql(model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]],
                *, returning: str = "") -> tuple[str, list[Any]] | None:
     """The statement `UPDATE <model's table> AS t SET … WHERE <where>` and its parameters, built
-    without the ORM's compiler; None when a change is an expression other than `F(field) ± n`
-    (left to the ORM). Values are prepared as QuerySet.update prepares them (a model instance
-    for a foreign key by its key; no auto_now, as update() sets none); `where` and `params` as
-    for `select`."""
+    without the ORM's compiler, or None for what it leaves to the ORM: an expression other than
+    `F(number field) ± a number`, a model instance for a field that is not its foreign key, a
+    field with a placeholder of its own. Values are prepared as QuerySet.update prepares them
+    (a model instance for a foreign key by its key; no auto_now, as update() sets none); `where`
+    and `params` as for `select`."""
+    if not changes:
+        raise ValueError("an UPDATE needs something to change")
     connection = connections[router.db_for_write(model)]
     quote = connection.ops.quote_name
     sets, values = [], []
     for name, value in changes.items():
         field = _field(model, name)
+        if hasattr(field, "get_placeholder"):
+            return None
         column = quote(field.column)
         if isinstance(value, CombinedExpression):
-            if not (isinstance(value.lhs, F) and isinstance(value.rhs, Value) and value.connector in ("+", "-")):
+            step = _number_step(model, field, value)
+            if step is None:
                 return None
-            sets.append(f"{column} = {quote(_field(model, value.lhs.name).column)} {value.connector} %s")
-            values.append(value.rhs.value)
+            sets.append(f"{column} = {quote(step[0].column)} {value.connector} %s")
+            values.append(step[1])
             continue
         if hasattr(value, "resolve_expression"):
             return None
-        if isinstance(value, Model) and field.remote_field:
+        if isinstance(value, Model):
+            if not field.remote_field:
+                return None
             value = value.prepare_database_save(field)
         sets.append(f"{column} = %s")
         values.append(field.get_db_prep_save(value, connection))
@@ -231,25 +243,49 @@ def update_sql(model: type[Model], changes: dict[str, Any], where: str, params: 
     return (f"{sql} RETURNING {returning}" if returning else sql), values
 
 
-def update(model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]]) -> int | None:
-    """Run `update_sql`'s statement: the rows it changed, or None when it left the change to the
-    ORM (nothing was run)."""
+_NUMBERS = (IntegerField, FloatField)  # BigIntegerField, PositiveIntegerField… are IntegerFields
+
+
+def _number_step(model: type[Model], field: Any, value: CombinedExpression) -> tuple[Any, int | float] | None:
+    """`F(name) ± n` on number fields as (the field read, n); None for any other expression."""
+    if not (isinstance(value.lhs, F) and isinstance(value.rhs, Value) and value.connector in ("+", "-")):
+        return None
+    step = value.rhs.value
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return None
+    read = model._meta.pk if value.lhs.name == "pk" else _field(model, value.lhs.name)
+    return (read, step) if isinstance(field, _NUMBERS) and isinstance(read, _NUMBERS) else None
+
+
+def update(model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]]) -> int:
+    """Run `update_sql`'s statement: the rows it changed. For changes it leaves to the ORM this
+    raises (a caller with a queryset for them uses `update_sql` and the ORM itself)."""
     built = update_sql(model, changes, where, params)
     if built is None:
-        return None
-    with connections[router.db_for_write(model)].cursor() as cursor:
+        raise ValueError(f"rows.update cannot build this change of {model.__name__} ({', '.join(changes)})")
+    alias = router.db_for_write(model)
+    with transaction.mark_for_rollback_on_error(using=alias), connections[alias].cursor() as cursor:
         cursor.execute(*built)
         return cursor.rowcount
 
 
-def matching(model: type[Model], conditions: dict[str, Any]) -> tuple[str, list[tuple[str | None, Any]]]:
-    """`t.<column> = %s AND …` for field values (`IS NULL` for None), with their parameters."""
+def matching(model: type[Model], conditions: dict[str, Any]) -> tuple[str, list[tuple[str | None, Any]]] | None:
+    """`t.<column> = %s AND …` for field values (`IS NULL` for None), with their parameters;
+    None when a condition is a lookup (`name__isnull`) or an expression (left to the ORM)."""
+    quote = connections[router.db_for_read(model)].ops.quote_name
     parts, params = [], []
     for name, value in conditions.items():
-        column = f"t.{connections[router.db_for_read(model)].ops.quote_name(_field(model, name).column)}"
+        if "__" in name or hasattr(value, "resolve_expression"):
+            return None
+        field = _field(model, name)
+        column = f"t.{quote(field.column)}"
         if value is None:
             parts.append(f"{column} IS NULL")
-        else:
-            parts.append(f"{column} = %s")
-            params.append((name, value.pk if isinstance(value, Model) else value))
+            continue
+        if isinstance(value, Model):
+            if not field.remote_field:
+                return None
+            value = value.prepare_database_save(field)
+        parts.append(f"{column} = %s")
+        params.append((name, value))
     return " AND ".join(parts), params

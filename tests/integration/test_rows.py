@@ -129,9 +129,39 @@ def test_update_changes_what_queryset_update_changes(tenant):
     assert update(Task, {"attempts": F("attempts") + 2}, where, params) == 0  # lane is no longer NULL
     stored = Task.objects.get(pk=task.pk)
     assert (stored.lane_id, stored.attempts, stored.params) == ("batch", 2, {"x": [1]})
-    # An expression it does not build is left to the ORM: nothing runs.
-    assert update(Task, {"attempts": F("attempts") * 2}, "t.id = %s", [("id", task.pk)]) is None
+    # What it does not build is left to the ORM (update_sql says None, update refuses): nothing runs.
+    from tasks.rows import update_sql
+
+    for change in ({"attempts": F("attempts") * 2}, {"due_at": F("deadline_at") + timedelta(seconds=5)},
+                   {"attempts": F("attempts") + True}, {"kind": lane}):
+        assert update_sql(Task, change, "t.id = %s", [("id", task.pk)]) is None
+        with pytest.raises(ValueError):
+            update(Task, change, "t.id = %s", [("id", task.pk)])
+    assert matching(Task, {"id": task.pk, "dispatched_at__isnull": True}) is None
     assert Task.objects.get(pk=task.pk).attempts == 2
+
+
+def test_the_compare_and_set_writes_what_the_orm_wrote_and_keeps_its_own_keys(tenant):
+    from django.db.models import F
+
+    from tasks.lifecycle import task_update, transition
+
+    file = _file(tenant)
+    file.save()
+    task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
+                               deadline_at=timezone.now() + timedelta(hours=1))
+    lane = Lane.objects.get(pk="batch")
+    assert transition(task.pk, source="ACCEPTED", target="QUEUED", generation=0, actor="t", reason="r",
+                      fields={"lane": lane, "attempts": F("attempts") + 1, "due_at": None})
+    assert not transition(task.pk, source="ACCEPTED", target="QUEUED", generation=0, actor="t", reason="r")
+    # A condition with a lookup goes through the ORM, with the same compare-and-set.
+    assert task_update(task.pk, state="QUEUED", generation=1, expect={"dispatched_at__isnull": True}, params={"a": 1})
+    assert not task_update(task.pk, state="QUEUED", generation=0, params={"a": 2})
+    stored = Task.objects.get(pk=task.pk)
+    assert (stored.state, stored.generation, stored.lane_id, stored.attempts, stored.params) == ("QUEUED", 1, "batch", 1, {"a": 1})
+    assert TaskEvent.objects.filter(task=task, to_state="QUEUED").count() == 1
+    with pytest.raises(TypeError):
+        task_update(task.pk, state="QUEUED", generation=1, expect={"generation": 0}, params={})
 
 
 def test_select_reads_the_reverse_side_of_a_one_to_one(django_assert_num_queries):
@@ -144,3 +174,4 @@ def test_select_reads_the_reverse_side_of_a_one_to_one(django_assert_num_queries
         found = {c.name: c for c in select(VendorChannel, "t.name IN (%s, %s)", [("name", "rows-a"), ("name", "rows-b")],
                                            related=("health",))}
         assert found["rows-a"].health.retry_tokens == 3 and getattr(found["rows-b"], "health", None) is None
+        assert found["rows-a"].health.channel is found["rows-a"]
