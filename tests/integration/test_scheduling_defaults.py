@@ -187,7 +187,7 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
     from django.db import connection, transaction
     from django.test import Client
 
-    from tasks import locks
+    from tasks import costs, locks
 
     Lane.objects.filter(pk="interactive").update(max_queued=10, early_close_pct=80)
     bodies = [_body(api, i) for i in range(9)]
@@ -214,7 +214,7 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
     def spy(execute, sql, params, many, context):
         if sql.startswith("ROLLBACK TO SAVEPOINT"):
             seen["rolled_back"] = True
-        elif seen["rolled_back"] and sql.startswith("SELECT l.*") and seen["locks_at_second_read"] is None:
+        elif seen["rolled_back"] and costs.kind(sql) == "SELECT tasks_lane" and seen["locks_at_second_read"] is None:
             with context["connection"].connection.cursor() as raw:
                 raw.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
                             "AND pid = pg_backend_pid()")
