@@ -27,6 +27,14 @@ def _file(tenant, **extra) -> FileVersion:
                        **extra)
 
 
+def _task(tenant, **extra) -> Task:
+    """A stored task of a stored file (ACCEPTED, generation 0)."""
+    file = _file(tenant)
+    file.save()
+    return Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
+                               deadline_at=timezone.now() + timedelta(hours=1), **extra)
+
+
 def _values(obj) -> dict:
     return {f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields}
 
@@ -102,10 +110,7 @@ def test_select_reads_what_the_orm_reads(tenant):
 
 
 def test_select_reads_related_rows_in_its_statement_as_select_related_does(tenant, django_assert_num_queries):
-    file = _file(tenant)
-    file.save()
-    task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
-                               lane=Lane.objects.get(pk="batch"), deadline_at=timezone.now() + timedelta(hours=1))
+    task = _task(tenant, lane=Lane.objects.get(pk="batch"))
     theirs = Task.objects.select_related("file", "lane", "channel").get(pk=task.pk)
     with django_assert_num_queries(1):
         (ours,) = select(Task, "t.id = %s", [("id", task.pk)], related=("file", "lane", "channel"),
@@ -119,10 +124,7 @@ def test_update_changes_what_queryset_update_changes(tenant):
 
     from tasks.rows import matching, update
 
-    file = _file(tenant)
-    file.save()
-    task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
-                               deadline_at=timezone.now() + timedelta(hours=1))
+    task = _task(tenant)
     lane = Lane.objects.get(pk="batch")
     where, params = matching(Task, {"id": task.pk, "state": "ACCEPTED", "generation": 0, "lane": None})
     assert update(Task, {"lane": lane, "attempts": F("attempts") + 2, "params": {"x": [1]}}, where, params) == 1
@@ -146,10 +148,7 @@ def test_the_compare_and_set_writes_what_the_orm_wrote_and_keeps_its_own_keys(te
 
     from tasks.lifecycle import task_update, transition
 
-    file = _file(tenant)
-    file.save()
-    task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
-                               deadline_at=timezone.now() + timedelta(hours=1))
+    task = _task(tenant)
     lane = Lane.objects.get(pk="batch")
     assert transition(task.pk, source="ACCEPTED", target="QUEUED", generation=0, actor="t", reason="r",
                       fields={"lane": lane, "attempts": F("attempts") + 1, "due_at": None})
