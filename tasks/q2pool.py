@@ -161,7 +161,6 @@ def preload() -> None:
     each worker inherits it (shared memory) instead of importing it, and building the TLS
     settings, in its first steps (a second or so of CPU per worker on a busy machine)."""
     import httpcore  # noqa: F401 - httpx imports it when a worker builds its first vendor client
-    import tasks.precheck.detectors  # noqa: F401 - the pre-check's child inherits it too
     import tasks.workers  # noqa: F401
     from tasks.services import execution, intake  # noqa: F401
     from tasks.vendors import dialects  # noqa: F401

@@ -191,3 +191,85 @@ def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries
     decision, kinds = precheck(task)
     assert kinds["SELECT tasks_quarantine"] == 1, kinds
     assert Task.objects.get(pk=task.pk).lane_id == "unknown-risk"
+
+
+def _process(pid: int) -> tuple[str, dict[str, str]] | None:
+    """A live (not zombie) process's command line and environment; None when it is gone."""
+    from pathlib import Path
+
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+            return None
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+    except (OSError, IndexError):
+        return None
+    return command, environ
+
+
+def test_each_file_is_checked_in_a_child_of_the_workers_own_small_sandbox_server(tmp_path, settings):
+    """Not a fork of the worker (its memory, connections and secrets): a child of one server per
+    worker, started once, holding no secrets; what a parser prints does not disturb it."""
+    import os
+
+    settings.PRECHECK_PLUGINS = ["tests.support.precheck_plugins.where"]
+    first = check(tmp_path, files.text(), "txt")
+    second = check(tmp_path, files.pdf(2), "pdf")
+    assert first.verdict == second.verdict == "pass", (first.findings, second.findings)
+    server = first.findings["forked_by"]
+    assert second.findings["forked_by"] == server != os.getpid()
+    command, environ = _process(server)
+    assert "tasks.precheck.server" in command
+    assert set(environ) <= {"PATH", "LANG"}, "the server inherits no settings or secrets"
+
+
+def test_a_sandbox_server_that_died_is_replaced_at_the_next_pre_check(tmp_path, settings):
+    import os
+    import signal
+
+    settings.PRECHECK_PLUGINS = ["tests.support.precheck_plugins.where"]
+    server = check(tmp_path, files.text(), "txt").findings["forked_by"]
+    os.kill(server, signal.SIGKILL)
+    again = check(tmp_path, files.text(), "txt")
+    assert again.verdict == "pass" and again.findings["forked_by"] not in (server, os.getpid())
+
+
+def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_it(tmp_path):
+    """SIGKILL leaves nothing running: the kernel ends the server with its worker, and the
+    check's child with its server; the marker left behind is for kill_orphans."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    data = tmp_path / "data"
+    source = tmp_path / "input.txt"
+    source.write_bytes(files.with_marker(files.text(), b"SLUICE-PRECHECK-LOOP"))
+    script = (
+        "import sys, django; from pathlib import Path; django.setup(); from django.conf import settings\n"
+        "settings.DATA_DIR = Path(sys.argv[2]); settings.PRECHECK_PLUGINS = ['tasks.precheck.hostile.loop']\n"
+        "settings.PRECHECK_CPU_S = 120; settings.PRECHECK_WALL_S = 120\n"
+        "from tasks.precheck.sandbox import run_precheck; run_precheck(Path(sys.argv[1]), 'txt')\n")
+    worker = subprocess.Popen([sys.executable, "-c", script, str(source), str(data)],
+                              env={**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings"})
+    try:
+        deadline = time.monotonic() + 60
+        markers = []
+        while not markers and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.05)
+            markers = list((data / "precheck-pids").glob("*")) if (data / "precheck-pids").exists() else []
+        assert markers, "the check did not start"
+        time.sleep(0.1)
+        child, server = int(markers[0].name), json.loads(markers[0].read_text())["parent"]
+        assert _process(child) and _process(server) and server != worker.pid
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while (_process(child) or _process(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _process(server) is None and _process(child) is None
+    finally:
+        worker.kill()
