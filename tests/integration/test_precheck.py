@@ -234,9 +234,9 @@ def test_a_sandbox_server_that_died_is_replaced_at_the_next_pre_check(tmp_path, 
     assert again.verdict == "pass" and again.findings["forked_by"] not in (server, os.getpid())
 
 
-def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_it(tmp_path):
+def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_it(tmp_path, settings):
     """SIGKILL leaves nothing running: the kernel ends the server with its worker, and the
-    check's child with its server; the marker left behind is for kill_orphans."""
+    check's child with its server; kill_orphans removes the temp directory left behind."""
     import json
     import os
     import signal
@@ -245,15 +245,17 @@ def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_
     import time
     from pathlib import Path
 
-    data = tmp_path / "data"
+    data, scratch = tmp_path / "data", tmp_path / "tmp"
+    scratch.mkdir()
     source = tmp_path / "input.txt"
     source.write_bytes(files.with_marker(files.text(), b"SLUICE-PRECHECK-LOOP"))
     script = (
         "import sys, django; from pathlib import Path; django.setup(); from django.conf import settings\n"
-        "settings.DATA_DIR = Path(sys.argv[2]); settings.PRECHECK_PLUGINS = ['tasks.precheck.hostile.loop']\n"
+        "settings.DATA_DIR = Path(sys.argv[2]); settings.FILE_UPLOAD_TEMP_DIR = sys.argv[3]\n"
+        "settings.PRECHECK_PLUGINS = ['tasks.precheck.hostile.loop']\n"
         "settings.PRECHECK_CPU_S = 120; settings.PRECHECK_WALL_S = 120\n"
         "from tasks.precheck.sandbox import run_precheck; run_precheck(Path(sys.argv[1]), 'txt')\n")
-    worker = subprocess.Popen([sys.executable, "-c", script, str(source), str(data)],
+    worker = subprocess.Popen([sys.executable, "-c", script, str(source), str(data), str(scratch)],
                               env={**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings"})
     try:
         deadline = time.monotonic() + 60
@@ -271,5 +273,11 @@ def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_
         while (_process(child) or _process(server)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _process(server) is None and _process(child) is None
+        assert list(scratch.iterdir()), "the check's temp directory, left behind by the killed server"
+        from tasks.precheck.sandbox import kill_orphans
+
+        settings.DATA_DIR = data
+        kill_orphans()
+        assert list(scratch.iterdir()) == [] and list((data / "precheck-pids").iterdir()) == []
     finally:
         worker.kill()
