@@ -8,10 +8,12 @@ holds the budget until the job is confirmed terminal) or once it is proven no jo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db.models import CharField, Count, Q, Value
+from django.db import connections, router
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
@@ -52,24 +54,54 @@ def _open_slots(channel: VendorChannel):
 def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
     """Every channel's usage in one statement, whatever the number of channels (the dispatcher
     looks at all of them on every admission pass): the open slots and the live jobs, counted
-    per channel, kind and lane."""
+    per channel, kind and lane. The statement is built once per number of channels (a queryset
+    compiled on every pass cost more than running it)."""
     names = [c.name for c in channels]
     jobs: dict[str, int] = dict.fromkeys(names, 0)
     uploads: dict[str, int] = dict.fromkeys(names, 0)
     by_lane: dict[str, dict[str, int]] = {name: {} for name in names}
-    held = (BudgetSlot.objects.filter(channel_id__in=names)
-            .filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()))
-            .values_list("channel_id", "kind", "task__lane_id").annotate(n=Count("id")))
-    live = (VendorJob.objects.filter(channel_id__in=names, terminal_at__isnull=True)
-            .annotate(slot_kind=Value(JOB, output_field=CharField()))
-            .values_list("channel_id", "slot_kind", "task__lane_id").annotate(n=Count("id")))
-    for name, kind, lane, n in held.union(live, all=True):
+    if not names:
+        return {}
+    alias = router.db_for_read(BudgetSlot)
+    connection = connections[alias]
+    now = BudgetSlot._meta.get_field("released_at").get_db_prep_value(timezone.now(), connection)
+    with connection.cursor() as cursor:
+        cursor.execute(_usage_sql(alias, len(names)), [*names, now, *names])
+        found = cursor.fetchall()
+    for name, kind, lane, n in found:
         if kind == UPLOAD:
             uploads[name] += n
             continue
         jobs[name] += n
         by_lane[name][lane or ""] = by_lane[name].get(lane or "", 0) + n
     return {name: ChannelUsage(jobs=jobs[name], uploads=uploads[name], jobs_by_lane=by_lane[name]) for name in names}
+
+
+@functools.lru_cache(maxsize=64)
+def _usage_sql(alias: str, count: int) -> str:
+    """channels_usage's statement for `count` channels: the open slots (a slot released "in the
+    future" is still held: an aborted upload may still be draining) and the live jobs, by
+    channel, kind and the task's lane."""
+    quote = connections[alias].ops.quote_name
+
+    def table(model) -> str:
+        return quote(model._meta.db_table)
+
+    def column(model, name: str) -> str:
+        return quote(model._meta.get_field(name).column)
+
+    names = ", ".join(["%s"] * count)
+    task, task_id, lane = table(Task), column(Task, "id"), column(Task, "lane")
+    return (
+        f"SELECT s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}, COUNT(*)"
+        f" FROM {table(BudgetSlot)} s LEFT JOIN {task} l ON l.{task_id} = s.{column(BudgetSlot, 'task')}"
+        f" WHERE s.{column(BudgetSlot, 'channel')} IN ({names})"
+        f" AND (s.{column(BudgetSlot, 'released_at')} IS NULL OR s.{column(BudgetSlot, 'released_at')} > %s)"
+        f" GROUP BY s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}"
+        f" UNION ALL SELECT j.{column(VendorJob, 'channel')}, '{JOB.value}', l.{lane}, COUNT(*)"
+        f" FROM {table(VendorJob)} j LEFT JOIN {task} l ON l.{task_id} = j.{column(VendorJob, 'task')}"
+        f" WHERE j.{column(VendorJob, 'channel')} IN ({names}) AND j.{column(VendorJob, 'terminal_at')} IS NULL"
+        f" GROUP BY j.{column(VendorJob, 'channel')}, l.{lane}")
 
 
 def channel_usage(channel: VendorChannel) -> ChannelUsage:

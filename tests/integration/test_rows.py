@@ -174,3 +174,36 @@ def test_select_reads_the_reverse_side_of_a_one_to_one(django_assert_num_queries
                                            related=("health",))}
         assert found["rows-a"].health.retry_tokens == 3 and getattr(found["rows-b"], "health", None) is None
         assert found["rows-a"].health.channel is found["rows-a"]
+
+
+def test_every_channels_usage_in_one_statement_counts_what_the_consoles_queries_count(tenant, django_assert_num_queries):
+    """Admission's statement (built once, for any number of channels) against the console's
+    per-channel ORM counts: open, held-in-the-future and released slots, live and terminal jobs,
+    in several lanes."""
+    from tasks.models import BudgetSlot, VendorJob
+    from tasks.scheduling.budgets import JOB, UPLOAD, channel_usage, channels_usage
+
+    now = timezone.now()
+    channels = list(VendorChannel.objects.order_by("name"))
+    primary, other = channels[0], channels[1]
+    tasks = [_task(tenant, lane_id=lane) for lane in ("interactive", "batch", "batch", "heavy")]
+    slots = [(primary, JOB, tasks[0], None), (primary, UPLOAD, tasks[0], None), (primary, JOB, tasks[1], None),
+             (primary, JOB, tasks[2], now + timedelta(minutes=5)), (primary, JOB, tasks[3], now - timedelta(seconds=1)),
+             (other, UPLOAD, tasks[1], now + timedelta(minutes=5)), (other, JOB, tasks[2], None)]
+    BudgetSlot.objects.bulk_create([BudgetSlot(channel=c, kind=k, task=t, released_at=r) for c, k, t, r in slots])
+    for n, (channel, task, terminal) in enumerate([(primary, tasks[1], None), (primary, tasks[3], None),
+                                                    (primary, tasks[0], now), (other, tasks[3], None)]):
+        VendorJob.objects.create(task=task, channel=channel, vendor_job_id=f"job-{n}", client_ref=f"ref-{n}",
+                                 terminal_at=terminal)
+    with django_assert_num_queries(1):
+        usages = channels_usage(channels)
+    assert set(usages) == {c.name for c in channels}
+    for channel in channels:
+        console = channel_usage(channel)
+        assert (usages[channel.name].jobs, usages[channel.name].uploads) == (console.jobs, console.uploads), channel.name
+        if channel.lane_slots:
+            assert usages[channel.name].jobs_by_lane == console.jobs_by_lane
+    assert (usages[primary.name].jobs, usages[primary.name].uploads) == (5, 1)
+    assert usages[primary.name].jobs_by_lane == {"interactive": 1, "batch": 3, "heavy": 1}
+    assert (usages[other.name].jobs, usages[other.name].uploads) == (2, 1)
+    assert channels_usage([]) == {}
