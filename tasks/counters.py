@@ -207,11 +207,10 @@ def lane_counts_by_tenant(lane_name: str) -> dict[Any, dict[str, int]]:
 def lane_with_counts_by_tenant(lane_name: str) -> tuple[Lane | None, dict[Any, dict[str, int]]]:
     """The lane's row and `lane_counts_by_tenant` in one statement (admission reads both under
     its lock on every pass); None for a lane that does not exist."""
-    loads = ", ".join(f"c.{name} AS load_{name}" for name in STAGES)
-    sql = (f"SELECT l.*, c.tenant AS load_tenant, {loads} FROM {Lane._meta.db_table} l "
-           f"LEFT JOIN {TABLE} c ON c.lane = l.name WHERE l.name = %s")
+    extra = {"load_tenant": "c.tenant", **{f"load_{name}": f"c.{name}" for name in STAGES}}
     lane, counts = None, {}
-    for row in Lane.objects.raw(sql, [lane_name]):
+    for row in select(Lane, "t.name = %s", [("name", lane_name)], extra=extra,
+                      join=f"LEFT JOIN {TABLE} c ON c.lane = t.name"):
         lane = lane or row
         stages = {name: int(getattr(row, f"load_{name}") or 0) for name in STAGES}
         if row.load_tenant is not None and any(stages.values()):

@@ -96,7 +96,7 @@ def _columns(model: type[Model], alias: str, connection: Any) -> tuple[list | No
 
 def select(model: type[Model], where: str, params: list[tuple[str | None, Any]], *,
            only: tuple[str, ...] | None = None, related: tuple[str, ...] = (),
-           extra: dict[str, str] | None = None) -> list[Model]:
+           extra: dict[str, str] | None = None, join: str = "") -> list[Model]:
     """The rows of `model` matching `where`, as model instances read as the ORM reads them (its
     converters: UUIDs, dates, JSON), with the statement's columns and joins built once per shape
     instead of compiling a queryset per call.
@@ -108,7 +108,9 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
     foreign keys (or the reverse side of one-to-one keys) whose rows are read in the same
     statement, as select_related reads them (a LEFT JOIN each, aliased `r_<name>`; a missing one
     is None). `extra`: more columns, SQL expressions
-    (over `t` and the joined aliases), each set on the instances under its name, as read."""
+    (over `t` and the joined aliases), each set on the instances under its name, as read.
+    `join`: more tables (SQL after the statement's own, such as a LEFT JOIN of a table that is
+    not a relation, without placeholders), read through `extra`."""
     alias = router.db_for_read(model)
     connection = connections[alias]
     shape = _select(model, alias, only, related, connection)
@@ -119,7 +121,7 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
     if extra:
         columns += ", " + ", ".join(f"({sql}) AS {connection.ops.quote_name(name)}" for name, sql in extra.items())
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {columns} FROM {shape.tables} WHERE {where}", prepared)
+        cursor.execute(f"SELECT {columns} FROM {shape.tables} {join} WHERE {where}", prepared)
         found = cursor.fetchall()
     rows = []
     for values in found:
