@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from tasks import lifecycle
 from tasks.models import Attempt, DeadLetter, Notification, Task
-from tasks.rows import select
+from tasks.rows import select, update
 from tasks.scheduling.budgets import slots_release
 from tasks.services.notifications import event_payload
 from tasks.states import TERMINAL_STATES, State
@@ -58,12 +58,11 @@ def task_move(
         if moved is None:
             return None
         if attempt_outcome:
-            Attempt.objects.filter(task_id=task_id, generation=generation, ended_at__isnull=True).update(
-                ended_at=now,
-                outcome=attempt_outcome,
-                error_code=(fields.get("error_code") or "")[:64],
-                error_class=(data or {}).get("error_class", "")[:32],
-            )
+            update(Attempt, {"ended_at": now, "outcome": attempt_outcome,
+                             "error_code": (fields.get("error_code") or "")[:64],
+                             "error_class": (data or {}).get("error_class", "")[:32]},
+                   "t.task_id = %s AND t.generation = %s AND t.ended_at IS NULL",
+                   [("task", task_id), ("generation", generation)])
         if target in TERMINAL_STATES:
             slots_release(task_id, reason=f"task {target.lower()}")
             _notification_outbox(task_id, target, moved.generation)

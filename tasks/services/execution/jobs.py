@@ -13,6 +13,7 @@ from django.utils import timezone
 from tasks import lifecycle, timescale
 from tasks.models import Task, VendorChannel, VendorJob
 from tasks.observability import log_event
+from tasks.rows import insert_rows
 from tasks.scheduling.budgets import vendor_job_terminal
 from tasks.services.billing import task_billing_check
 from tasks.states import TERMINAL_STATES, State
@@ -72,7 +73,8 @@ def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bo
             # A savepoint only inside a caller's transaction: alone, the failed INSERT of a
             # replayed job leaves nothing to roll back (and no BEGIN/COMMIT is paid for it).
             with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
-                job, created = VendorJob.objects.create(channel=channel, vendor_job_id=view.id, **fields), True
+                job, created = VendorJob(channel=channel, vendor_job_id=view.id, **fields), True
+                insert_rows([job])
         except IntegrityError:
             job, created = VendorJob.objects.get(channel=channel, vendor_job_id=view.id), False
     if view.terminal and not created:
