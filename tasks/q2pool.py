@@ -69,6 +69,10 @@ def worker(task_queue: Any, *args: Any, **kwargs: Any) -> None:
     from django_q.worker import worker as q2_worker
 
     signal.signal(signal.SIGTERM, _stop_worker)
+    if os.environ.get("Q_CLUSTER_NAME"):  # a lane's worker: it runs its lane's pre-checks
+        from tasks.precheck import sandbox
+
+        sandbox.prestart()
     q2_worker(NonBlockingReads(task_queue), *args, **kwargs)
 
 

@@ -2,8 +2,8 @@
 private temporary directory removed afterwards. Whatever the file does to the parser — loop,
 allocate, crash — the worker survives and the file is quarantined with the reason.
 
-Each worker has its own sandbox server (tasks/precheck/server.py), started at its first
-pre-check: a small interpreter holding only the detectors, which forks one limited child per file.
+Each worker has its own sandbox server (tasks/precheck/server.py), started with a lane's worker
+(or at its first pre-check): a small interpreter holding only the detectors, which forks one limited child per file.
 The worker sends it the file's path and the limits and reads the child's answer; a server that
 ends or stops answering is replaced.
 """
@@ -61,15 +61,18 @@ class _Server:
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.buffer = b""
-        if not self.read_line(time.monotonic() + START_S).get("ready"):
-            self.stop()
-            raise SandboxUnavailable("the pre-check's sandbox server did not start")
+        self.ready = False
 
     def usable(self) -> bool:
         return self.owner == os.getpid() and self.process.poll() is None
 
     def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         """The server's answer, or None when it ended or did not answer in time (then it is stopped)."""
+        if not self.ready:
+            self.ready = bool(self.read_line(time.monotonic() + START_S).get("ready"))
+            if not self.ready:
+                self.stop()
+                raise SandboxUnavailable("the pre-check's sandbox server did not start")
         try:
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
             self.process.stdin.flush()
@@ -115,6 +118,15 @@ class _Server:
 
 _server: _Server | None = None
 _lock = threading.Lock()
+
+
+def prestart() -> None:
+    """Start this worker's server now (a lane's worker does, as it starts), so that its start is
+    not paid by the first file."""
+    global _server
+    with _lock:
+        if _server is None or not _server.usable():
+            _server = _Server()
 
 
 def _ask(request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
