@@ -11,6 +11,7 @@ ends or stops answering is replaced.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 
 from django.conf import settings
 
+from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.precheck.server import MAX_OUTPUT
 from tasks.precheck.server import kill as _kill
@@ -41,8 +43,9 @@ class PrecheckResult:
 
 
 class SandboxUnavailable(RuntimeError):
-    """The sandbox server could not be started or ended twice in one pre-check: a fault of this
-    host, not a verdict on the file (the step fails and is retried)."""
+    """The sandbox server could not be started, could not load the configured plugins, or ended
+    or stopped answering twice in one pre-check: a fault of this host or its configuration, not
+    a verdict on the file (the step fails and is retried)."""
 
 
 def _registry() -> Path:
@@ -56,33 +59,45 @@ class _Server:
 
     def __init__(self) -> None:
         self.owner = os.getpid()
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]  # where plugins may live
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tasks.precheck.server"], cwd=Path(__file__).resolve().parents[2],
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
+            [sys.executable, "-m", "tasks.precheck.server"], cwd=Path(__file__).resolve().parents[2], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.buffer = b""
         self.ready = False
+        self.asked = 0
 
     def usable(self) -> bool:
-        return self.owner == os.getpid() and self.process.poll() is None
+        return self.owner == os.getpid() and self.process.poll() is None and not self.process.stdin.closed
 
-    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-        """The server's answer, or None when it ended or did not answer in time (then it is stopped)."""
+    def start(self) -> None:
+        """Wait for the server to say it is ready (it imports the detectors first)."""
         if not self.ready:
             self.ready = bool(self.read_line(time.monotonic() + START_S).get("ready"))
             if not self.ready:
                 self.stop()
                 raise SandboxUnavailable("the pre-check's sandbox server did not start")
+
+    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """The server's answer to this request, or None when it ended, did not answer in time or
+        answered out of turn (then it is stopped)."""
+        self.asked += 1
+        if self.buffer:
+            self.stop()  # something it did not send as an answer to a request
+            return None
         try:
-            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.write(json.dumps({**request, "id": self.asked}).encode() + b"\n")
             self.process.stdin.flush()
-        except OSError:
+        except (OSError, ValueError):
             self.stop()
             return None
         answer = self.read_line(time.monotonic() + timeout)
-        if not answer:
+        if answer.get("id") != self.asked:
             self.stop()
-        return answer or None
+            return None
+        return answer
 
     def read_line(self, deadline: float) -> dict[str, Any]:
         fd = self.process.stdout.fileno()
@@ -98,9 +113,10 @@ class _Server:
                 self.buffer += data
         line, _, self.buffer = self.buffer.partition(b"\n")
         try:
-            return json.loads(line)
+            answer = json.loads(line)
         except ValueError:
             return {}
+        return answer if isinstance(answer, dict) else {}
 
     def stop(self) -> None:
         """Kill the server; its child, if any, dies with it."""
@@ -122,28 +138,36 @@ _lock = threading.Lock()
 
 def prestart() -> None:
     """Start this worker's server now (a lane's worker does, as it starts), so that its start is
-    not paid by the first file."""
+    not paid by the first file, and clear what servers killed earlier left behind. Best effort:
+    a server that cannot start now is started by the first pre-check (or fails that step)."""
     global _server
     with _lock:
-        if _server is None or not _server.usable():
-            _server = _Server()
+        try:
+            kill_orphans()
+            if _server is None or not _server.usable():
+                _server = _Server()
+        except OSError as exc:
+            log_event("precheck_sandbox_unavailable", logging.WARNING, exception=type(exc).__name__)
 
 
-def _ask(request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-    """Send one request to this worker's server (started or replaced when needed): its answer, or
-    None when it did not answer in time. A server that ended meanwhile is replaced once."""
+def _ask(request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one request to this worker's server (started or replaced when needed) and return its
+    answer. A server that ends or stops answering is a fault of this host, not a verdict on the
+    file (the server keeps the file's wall clock itself): it is replaced once, then this raises."""
     global _server
     with _lock:
         for _ in range(2):
             if _server is None or not _server.usable():
                 _server = _Server()
-            started = time.monotonic()
-            answer = _server.ask(request, timeout)
-            _server = _server if answer is not None else None
-            if answer is not None or time.monotonic() - started >= timeout:
+            server = _server
+            server.start()
+            answer = server.ask(request, timeout)
+            if answer is not None:
+                if "error" in answer:
+                    raise SandboxUnavailable(f"the pre-check's sandbox server refused the request: {answer['error']}"[:300])
                 return answer
-            # it ended before answering (not the file's doing: its child's death is an answer)
-        raise SandboxUnavailable("the pre-check's sandbox server ended twice during one pre-check")
+            _server = None
+        raise SandboxUnavailable("the pre-check's sandbox server ended or stopped answering twice in one pre-check")
 
 
 def run_precheck(path: Path, extension: str) -> PrecheckResult:
@@ -155,7 +179,7 @@ def run_precheck(path: Path, extension: str) -> PrecheckResult:
         "registry": str(Path(settings.DATA_DIR) / "precheck-pids"),
     }
     answer = _ask(request, wall_s + SLACK_S)
-    if answer is None or answer.get("timed_out"):
+    if answer.get("timed_out"):
         return _crashed("precheck_timeout", "the pre-check exceeded its wall-clock limit")
     output, status = answer["output"].encode("latin-1"), int(answer["status"])
     if len(output) > MAX_OUTPUT:

@@ -52,14 +52,19 @@ def virtual_size() -> int:
 
 
 def check(request: dict[str, Any], inspect) -> dict[str, Any]:
-    """Run the detectors on one file in a limited child; what it wrote and how it ended."""
+    """Run the detectors on one file in a limited child; what it wrote and how it ended (or why
+    it was not run: a plugin that cannot be loaded is this installation's fault, not the file's)."""
+    try:
+        plugins = [_plugin(dotted) for dotted in request["plugins"]]
+    except Exception as exc:
+        return {"error": f"plugin {exc.args[0] if exc.args else ''!s} cannot be loaded ({type(exc).__name__})"}
     tmp = Path(tempfile.mkdtemp(prefix="precheck-", dir=request["tmp_root"]))
     limits = (int(request["cpu_s"]), virtual_size() + int(request["memory_mb"]) * 1024 * 1024)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read_end)
-        _child(write_end, Path(request["path"]), request["extension"], request["plugins"], tmp, limits, inspect)
+        _child(write_end, Path(request["path"]), request["extension"], plugins, tmp, limits, inspect)
     os.close(write_end)
     marker = Path(request["registry"]) / str(pid)  # the child's marker, for kill_orphans
     try:
@@ -77,6 +82,18 @@ def check(request: dict[str, Any], inspect) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _plugin(dotted: str):
+    """A detector plugin (module.function), imported here once: plugins are this installation's
+    code, run on each file in the child."""
+    import importlib
+
+    module_name, _, attribute = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except Exception:
+        raise LookupError(dotted) from None
+
+
 def _collect(pid: int, fd: int, wall_s: float) -> tuple[bytes, int, bool]:
     """Read the child's answer until it has exited and closed the pipe, or the wall clock runs out
     (then kill it). Returns (output, wait status, timed out)."""
@@ -88,9 +105,11 @@ def _collect(pid: int, fd: int, wall_s: float) -> tuple[bytes, int, bool]:
     while pipe_open or status is None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            kill(pid)
             if status is None:
+                kill(pid)
                 os.waitpid(pid, 0)
+            else:  # reaped (its pid may be reused): what it left holding the pipe is in its group
+                kill(pid, group_only=True)
             return b"", 0, True
         if status is None:
             reaped, wait_status = os.waitpid(pid, os.WNOHANG)
@@ -110,7 +129,7 @@ def _collect(pid: int, fd: int, wall_s: float) -> tuple[bytes, int, bool]:
     return b"".join(chunks), status, False
 
 
-def _child(fd: int, path: Path, extension: str, plugins: list[str], tmp: Path, limits: tuple[int, int], inspect) -> None:
+def _child(fd: int, path: Path, extension: str, plugins: list, tmp: Path, limits: tuple[int, int], inspect) -> None:
     code = 3
     try:
         os.setsid()
@@ -128,12 +147,9 @@ def _child(fd: int, path: Path, extension: str, plugins: list[str], tmp: Path, l
         os.environ["TMPDIR"] = str(tmp)
         tempfile.tempdir = str(tmp)
         try:
-            import importlib
-
             findings = inspect(path, extension)
-            for dotted in plugins:
-                module_name, _, attribute = dotted.rpartition(".")
-                getattr(importlib.import_module(module_name), attribute)(path, findings)
+            for plugin in plugins:
+                plugin(path, findings)
             answer = {"ok": True, "findings": findings}
             code = 0
         except BaseException as exc:
@@ -146,8 +162,12 @@ def _child(fd: int, path: Path, extension: str, plugins: list[str], tmp: Path, l
         os._exit(code)
 
 
-def kill(pid: int) -> None:
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+def kill(pid: int, *, group_only: bool = False) -> None:
+    """Kill a check's child and its process group (the child leads its own)."""
+    targets = [lambda: os.killpg(pid, signal.SIGKILL)]
+    if not group_only:
+        targets.append(lambda: os.kill(pid, signal.SIGKILL))
+    for target in targets:
         try:
             target()
         except (ProcessLookupError, PermissionError):
@@ -160,13 +180,19 @@ def serve(requests, answers) -> None:
     answers.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     answers.flush()
     for line in requests:
-        answers.write(json.dumps(check(json.loads(line), inspect)) + "\n")
+        request = json.loads(line)
+        answers.write(json.dumps({**check(request, inspect), "id": request.get("id")}) + "\n")
         answers.flush()
 
 
 def main() -> None:
     die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # each child's exit status is read
+    # A stopping cluster signals every process below it: the server and its child end with their
+    # worker (the kernel kills them then), not before it, so a check is never cut off and taken
+    # for the file's crash while the worker could still record it. The child inherits this.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(sys.stdin, sys.stdout)
 
 

@@ -281,3 +281,45 @@ def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_
         assert list(scratch.iterdir()) == [] and list((data / "precheck-pids").iterdir()) == []
     finally:
         worker.kill()
+
+
+def test_a_plugin_that_cannot_be_loaded_fails_the_step_and_quarantines_nothing(tmp_path, settings):
+    """A configuration fault: the step fails (and is retried once the plugin is fixed); no file
+    is judged by it."""
+    from tasks.precheck.sandbox import SandboxUnavailable
+
+    settings.PRECHECK_PLUGINS = ["tests.support.precheck_plugins.missing"]
+    with pytest.raises(SandboxUnavailable, match="missing"):
+        check(tmp_path, files.text(), "txt")
+    settings.PRECHECK_PLUGINS = ["tests.support.precheck_plugins.where"]
+    assert check(tmp_path, files.text(), "txt").verdict == "pass"
+
+
+def test_a_sandbox_server_that_stops_answering_is_replaced_and_the_file_judged_by_the_next(tmp_path, settings):
+    """A stopped (or overloaded) server is this host's fault, not the file's: the file is not
+    quarantined as a timeout, it is checked by a new server."""
+    import contextlib
+    import os
+    import signal
+
+    settings.PRECHECK_PLUGINS = ["tests.support.precheck_plugins.where"]
+    settings.PRECHECK_WALL_S = 1
+    server = check(tmp_path, files.text(), "txt").findings["forked_by"]
+    os.kill(server, signal.SIGSTOP)
+    try:
+        again = check(tmp_path, files.text(), "txt")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGCONT)
+    assert again.verdict == "pass" and again.findings["forked_by"] != server
+    assert _process(server) is None, "the stopped server was killed"
+
+
+def test_a_stopping_clusters_sigterm_leaves_the_server_to_end_with_its_worker(tmp_path, settings):
+    import os
+    import signal
+
+    settings.PRECHECK_PLUGINS = ["tests.support.precheck_plugins.where"]
+    server = check(tmp_path, files.text(), "txt").findings["forked_by"]
+    os.kill(server, signal.SIGTERM)
+    assert check(tmp_path, files.text(), "txt").findings["forked_by"] == server
