@@ -13,6 +13,7 @@ from django.utils import timezone
 from tasks import counters, timescale
 from tasks.errors import OverQuota
 from tasks.models import QuotaOverride, Task, Tenant, TenantQuota
+from tasks.rows import select
 from tasks.states import State
 
 WAITING_STATES = (State.ACCEPTED, State.QUEUED, State.RETRY_WAIT)
@@ -83,14 +84,18 @@ def quotas_effective(tenant_ids: list, *, now: datetime | None = None) -> dict:
 
 def _read(tenant_ids: list, now: datetime) -> None:
     fields = (*QuotaOverride.QUOTA_FIELDS, "lane_weights")
-    bases = {row["tenant_id"]: row for row in TenantQuota.objects.filter(tenant_id__in=tenant_ids).values("tenant_id", *fields)}
+    among = f"t.tenant_id IN ({', '.join(['%s'] * len(tenant_ids))})"
+    keys = [("tenant", tenant_id) for tenant_id in tenant_ids]
+    bases = {row.tenant_id: {name: getattr(row, name) for name in fields}
+             for row in select(TenantQuota, among, keys, only=("tenant", *fields))}
     for tenant_id in set(tenant_ids) - set(bases):
         quota, _ = TenantQuota.objects.get_or_create(tenant_id=tenant_id)
         bases[tenant_id] = {name: getattr(quota, name) for name in fields}
     overrides: dict[Any, list] = {t: [] for t in tenant_ids}
-    pending = QuotaOverride.objects.filter(tenant_id__in=tenant_ids, ends_at__gt=now).order_by("created_at", "id")
-    for tenant_id, starts, ends, name, value in pending.values_list("tenant_id", "starts_at", "ends_at", "field", "value"):
-        overrides[tenant_id].append((starts, ends, name, value))
+    pending = select(QuotaOverride, f"{among} AND t.ends_at > %s ORDER BY t.created_at, t.id", [*keys, ("ends_at", now)],
+                     only=("tenant", "starts_at", "ends_at", "field", "value"))
+    for row in pending:
+        overrides[row.tenant_id].append((row.starts_at, row.ends_at, row.field, row.value))
     read_at = time.monotonic()
     if len(_rows) > 10_000:
         _rows.clear()

@@ -22,7 +22,7 @@ from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
-from tasks.rows import insert_rows
+from tasks.rows import insert_rows, update
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.services.execution.guard import step_crashed, step_interrupted
 from tasks.services.execution.jobs import (
@@ -49,6 +49,8 @@ from tasks.vendors.protocol import Created, JobRequest
 
 S = State
 P = Task.Phase
+
+ATTEMPT_OF = "t.task_id = %s AND t.generation = %s"  # the attempt of a task's generation (rows.update)
 
 
 def step_start(task_id: Any, generation: int) -> str:
@@ -137,14 +139,13 @@ def submit(task: Task, lease: Lease) -> str | None:
     except VendorError as err:
         hold = upload_drain_s(channel) if err.bytes_sent and err.outcome == Outcome.AMBIGUOUS else 0.0
         slots_release(task.pk, UPLOAD, reason="upload ended", hold_s=hold)
-        Attempt.objects.filter(task=task, generation=g).update(upload_ms=int((time.monotonic() - started) * 1000))
+        update(Attempt, {"upload_ms": int((time.monotonic() - started) * 1000)}, ATTEMPT_OF, [("task", task.pk), ("generation", g)])
         _submit_failed(task, err, stage=stage)
         return None
     if not uploaded:
         slots_release(task.pk, UPLOAD, reason="upload done")
-    Attempt.objects.filter(task=task, generation=g).update(
-        upload_ms=int((time.monotonic() - started) * 1000), vendor_job_id=created.job.id
-    )
+    update(Attempt, {"upload_ms": int((time.monotonic() - started) * 1000), "vendor_job_id": created.job.id},
+           ATTEMPT_OF, [("task", task.pk), ("generation", g)])
     # A vendor that answers the create with the job already finished (a fast engine, a replayed
     # key) is not polled for what it just said: the result is fetched in this step, under its lease.
     finished = created.job.terminal
