@@ -87,8 +87,15 @@ def test_the_embedded_brokers_message_is_written_and_taken_as_django_q2_writes_i
     message_id = broker.enqueue("payload")
     assert OrmQ.objects.get(pk=message_id).key == "sluice-rows-probe"
     assert broker.queue_size() == 1
-    (taken_id, payload), = broker.dequeue()
+    with CaptureQueriesContext(connection) as statements:
+        (taken_id, payload), = broker.dequeue()
     assert (taken_id, payload) == (message_id, "payload")
+    assert [q["sql"].split()[0] for q in statements.captured_queries] == ["SELECT", "UPDATE"]
+    # Claimed: its lock moved a retry period ahead, so neither this cluster nor another takes it again.
+    locked_until = OrmQ.objects.get(pk=message_id).lock
+    assert timezone.now() + timedelta(seconds=settings.Q_CLUSTER["retry"] - 60) < locked_until
+    assert (broker.queue_size(), broker.lock_size()) == (0, 1)
+    assert broker.dequeue() is None
 
 
 def test_select_reads_what_the_orm_reads(tenant):
