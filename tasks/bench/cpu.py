@@ -2,7 +2,8 @@
 
 A sampling profiler shows which functions run; on these machines it also counts sleeping threads
 as running, so its shares say little about CPU. The kernel's own accounting does: each process's
-user and system time, and its reaped children's (a pre-check's sandbox, a worker replaced).
+user and system time, and its reaped children's (a worker replaced, a pre-check's child);
+a descendant still running (a worker's pre-check sandbox server) counts for its ancestor.
 """
 
 from __future__ import annotations
