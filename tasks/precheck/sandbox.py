@@ -3,9 +3,9 @@ private temporary directory removed afterwards. Whatever the file does to the pa
 allocate, crash — the worker survives and the file is quarantined with the reason.
 
 Each worker has its own sandbox server (tasks/precheck/server.py), started with a lane's worker
-(or at its first pre-check): a small interpreter holding only the detectors, which forks one limited child per file.
-The worker sends it the file's path and the limits and reads the child's answer; a server that
-ends or stops answering is replaced.
+(or at its first pre-check): a small interpreter holding only the detectors, which forks one
+limited child per file. The worker sends it the file's path and the limits and reads the
+child's answer; a server that ends or stops answering is replaced.
 """
 
 from __future__ import annotations
