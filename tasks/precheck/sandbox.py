@@ -48,9 +48,11 @@ class SandboxUnavailable(RuntimeError):
     a verdict on the file (the step fails and is retried)."""
 
 
-def _registry() -> Path:
+def _registry(*, made: bool = True) -> Path:
+    """Where each check's child is registered (for kill_orphans); the server makes it when missing."""
     folder = Path(settings.DATA_DIR) / "precheck-pids"
-    folder.mkdir(parents=True, exist_ok=True)
+    if made:
+        folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -176,7 +178,7 @@ def run_precheck(path: Path, extension: str) -> PrecheckResult:
         "path": str(path), "extension": extension, "plugins": list(settings.PRECHECK_PLUGINS),
         "cpu_s": int(settings.PRECHECK_CPU_S), "memory_mb": int(settings.PRECHECK_MEMORY_MB), "wall_s": wall_s,
         "tmp_root": str(settings.FILE_UPLOAD_TEMP_DIR) if settings.FILE_UPLOAD_TEMP_DIR else None,
-        "registry": str(Path(settings.DATA_DIR) / "precheck-pids"),
+        "registry": str(_registry(made=False)),
     }
     answer = _ask(request, wall_s + SLACK_S)
     if answer.get("timed_out"):
