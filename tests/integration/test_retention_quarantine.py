@@ -74,3 +74,22 @@ def test_dead_letters_are_seen_by_operators_and_above_only(client, role, status)
     user, password = staff_ensure(username=f"{role}-user", role=role, actor="test")
     assert client.login(username=user.username, password=password)
     assert client.get(reverse("admin:tasks_deadletter_changelist")).status_code == status
+
+
+def test_content_whose_failed_jobs_are_found_by_reconciliation_is_quarantined_as_poison(inline_queue, api):
+    """The create's answer is lost, so each task learns of its failed job by reconciling: those
+    failures count towards the poison verdict as much as the ones a poll reports (the vendor
+    fails each job at once, so reconciliation finds it failed already)."""
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    inline_queue.control.channel("primary", processing_ms=1)
+    inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "job_fail", "params": {"code": "engine_crash"}})
+    inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "response_lost", "params": {"mode": "reset"}})
+    content = files.wav(3)
+    for _ in range(3):
+        task = run_until(submit_file(api, content))
+        assert (task.state, task.error_code) == ("FAILED", "vendor_engine_crash"), (task.state, task.error_code)
+        reasons = [e.reason for e in task.events.order_by("pk")]
+        assert reasons[-2].endswith("reconcile before any retry"), f"the failure was not found by reconciling: {reasons}"
+    entry = Quarantine.objects.get(reason="poison")
+    assert FileVersion.objects.filter(sha256=entry.sha256, precheck_state="quarantined").exists()
+    assert inline_queue.control.invariants()["billed_jobs"] == 3

@@ -21,9 +21,8 @@ from tasks.services.execution.jobs import (
     vendor_of,
 )
 from tasks.services.execution.lease import actor
-from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
+from tasks.services.execution.retry import fail, refused, retry_or_fallback, to_reconciling
 from tasks.services.outcomes import task_move
-from tasks.services.quarantine import poison_check
 from tasks.states import State
 from tasks.storage import StorageUnavailable, attempt_result_path, discard_result, publish_result
 from tasks.vendors import breaker
@@ -81,8 +80,7 @@ def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False) -
         return _completed(task, job, view, said=said)
     failure = job_failure(view)
     if view.status == "failed" and not view.error_retryable:
-        fail(task, source=S.RUNNING, code=failure.code, message=failure.message)
-        poison_check(task=task)
+        refused(task, source=S.RUNNING, code=failure.code, message=failure.message)
         return "failed"
     retry_or_fallback(task, failure, source=S.RUNNING, new_operation=True)
     return "failed" if view.status == "failed" else "canceled_at_vendor"

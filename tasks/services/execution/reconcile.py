@@ -31,7 +31,7 @@ from tasks.services.execution.jobs import (
     vendor_of,
 )
 from tasks.services.execution.lease import actor, worker_id
-from tasks.services.execution.retry import fail, retry_or_fallback
+from tasks.services.execution.retry import refused, retry_or_fallback
 from tasks.services.outcomes import task_move
 from tasks.states import State
 from tasks.vendors import breaker
@@ -118,7 +118,7 @@ def _reconcile(task: Task) -> str:
         if keep.error_retryable or keep.status == "canceled":
             retry_or_fallback(task, failure, source=S.RECONCILING, new_operation=True)
         else:
-            fail(task, source=S.RECONCILING, code=failure.code, message=failure.message)
+            refused(task, source=S.RECONCILING, code=failure.code, message=failure.message)
         return "adopted_failed"
     now = timezone.now()
     poll = PollPolicy.for_channel(channel)

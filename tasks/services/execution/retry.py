@@ -16,6 +16,7 @@ from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.scheduling.channels import serves
 from tasks.services.execution.lease import actor
 from tasks.services.outcomes import task_move
+from tasks.services.quarantine import poison_check
 from tasks.states import State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure
@@ -47,6 +48,14 @@ def fail(task: Task, *, source: State, code: str, message: str, retryable: bool 
         dead_letter_class=(data or {}).get("error_class") or "retryable" if dead_letter else None,
     )
     return moved is not None
+
+
+def refused(task: Task, *, source: State, code: str, message: str, data: dict | None = None) -> None:
+    """The vendor refused the work for good (a create it refused, a job it ended failed, however
+    that is learnt: a create's answer, a poll, reconciliation): the task fails and the failure
+    counts towards quarantining its content as poison."""
+    if fail(task, source=source, code=code, message=message, data=data):
+        poison_check(task=task)
 
 
 def other_channels(task: Task, *, excluding: list[str]) -> list[VendorChannel]:

@@ -34,8 +34,7 @@ from tasks.services.execution.jobs import (
 )
 from tasks.services.execution.lease import Lease, actor, lease_seconds, load_task, worker_id
 from tasks.services.execution.poll import job_seen
-from tasks.services.execution.retry import fail, retry_or_fallback, to_reconciling
-from tasks.services.quarantine import poison_check
+from tasks.services.execution.retry import fail, refused, retry_or_fallback, to_reconciling
 from tasks.states import State
 from tasks.storage import StorageUnavailable, local_copy
 from tasks.vendors import breaker
@@ -239,8 +238,7 @@ def _submit_failed(task: Task, err: VendorError, *, stage: str) -> None:
         fail(task, source=S.RUNNING, code=err.code, message=f"{err.message}: our bug or the vendor's; investigate",
              data={"alarm": True, "error_class": err.error_class})
     else:
-        fail(task, source=S.RUNNING, code=err.code, message=err.message, data={"error_class": err.error_class})
-        poison_check(task=task)
+        refused(task, source=S.RUNNING, code=err.code, message=err.message, data={"error_class": err.error_class})
 
 
 def new_operation_fields(task: Task, channel: VendorChannel) -> dict[str, Any]:
