@@ -33,6 +33,13 @@ class Orm(ORM):
         return insert_rows([OrmQ(key=self.list_key or Conf.CLUSTER_NAME, payload=task, lock=timezone.now())],
                           return_pk=True, using=Conf.ORM)
 
+    def enqueue_many(self, packages: list[str]) -> None:
+        """Messages written in one statement (a batch submission's pre-checks)."""
+        self.get_connection()
+        now = timezone.now()
+        insert_rows([OrmQ(key=self.list_key or Conf.CLUSTER_NAME, payload=package, lock=now) for package in packages],
+                    using=Conf.ORM)
+
     def dequeue(self) -> list[tuple[Any, str]] | None:
         """django-q2's: up to BULK messages due, each claimed by moving its lock forward only if
         no other cluster moved it first; None (after a pause of POLL) when none is due."""

@@ -39,18 +39,35 @@ def send(func: str, *args: Any, cluster: str | None = None, name: str = "", time
     False instead of failing the request or step that sent it. (The ORM broker's errors are the
     database's own and propagate with its transaction.)"""
     cluster = cluster or control_cluster()
-    options: dict[str, Any] = {"timeout": timeout} if timeout else {}
     costs.count("queue_messages")
     if time.monotonic() < _unreachable_until.get((os.getpid(), cluster), 0.0):
         return False  # it just failed: the next sends do not each wait out a timeout
     try:
-        async_task(func, *args, cluster=cluster, broker=_broker(cluster), task_name=(name or func)[:100], **options)
+        _package(func, args, cluster=cluster, broker=_broker(cluster), name=name, timeout=timeout)
     except _broker_errors() as exc:
         _unreachable_until[(os.getpid(), cluster)] = time.monotonic() + BROKER_RETRY_S
         log_event("queue_unreachable", logging.WARNING, operation=func, reason=type(exc).__name__,
                   decision="the dispatcher sends it again")
         return False
     return True
+
+
+def _package(func: str, args: tuple, *, cluster: str, broker: Any, name: str, timeout: int | None) -> None:
+    """django-q2's message for `func(*args)`, signed and handed to `broker`."""
+    options: dict[str, Any] = {"timeout": timeout} if timeout else {}
+    async_task(func, *args, cluster=cluster, broker=broker, task_name=(name or func)[:100], **options)
+
+
+class _Collected:
+    """What async_task hands a broker, kept to be written at once (Orm.enqueue_many)."""
+
+    def __init__(self, list_key: str) -> None:
+        self.list_key = list_key
+        self.packages: list[str] = []
+
+    def enqueue(self, package: str) -> int:
+        self.packages.append(package)
+        return len(self.packages)
 
 
 # After a failed send, this process sends nothing to that broker for this long (real seconds).
@@ -83,9 +100,14 @@ def send_step(step: str, task_id: Any, generation: int, *, lane: str | None = No
     The message carries the step's own django-q2 timeout: the lane's execution timeout now plus a
     grace. A step that outlives it (a vendor dribbling its answer past every read timeout) is
     killed and its worker replaced, after the watchdog has fenced the attempt."""
-    timeout = step_timeout_s(lane) if lane else None
-    return send("tasks.workers.run_step", step, str(task_id), generation, cluster=lane, name=f"{step} {task_id}",
-                timeout=timeout)
+    func, args, name, timeout = _step_message(step, task_id, generation, lane)
+    return send(func, *args, cluster=lane, name=name, timeout=timeout)
+
+
+def _step_message(step: str, task_id: Any, generation: int, lane: str | None) -> tuple[str, tuple, str, int | None]:
+    """A step's message: the function, its arguments, its name and its timeout."""
+    return ("tasks.workers.run_step", (step, str(task_id), generation), f"{step} {task_id}",
+            step_timeout_s(lane) if lane else None)
 
 
 _lane_timeouts: dict[str, tuple[float, int]] = {}
@@ -112,13 +134,38 @@ def step_timeout_s(lane: str) -> int:
 def send_step_on_commit(step: str, task_id: Any, generation: int, *, lane: str | None = None) -> None:
     """Send once the surrounding transaction commits. With the ORM broker the message row is
     written in that same transaction instead (an outbox for free: both commit or neither does)."""
-    from django_q.conf import Conf
-
-    # (In django-q2's sync mode the step would run right here, inside the transaction: defer it.)
-    if "orm" in settings.Q_CLUSTER and not Conf.SYNC and transaction.get_connection().in_atomic_block:
+    if _written_with_the_transaction():
         send_step(step, task_id, generation, lane=lane)
         return
     transaction.on_commit(lambda: _send_or_leave_to_dispatcher(step, task_id, generation, lane=lane))
+
+
+def _written_with_the_transaction() -> bool:
+    """Whether a message sent now is a row of the surrounding transaction (the ORM broker's)."""
+    from django_q.conf import Conf
+
+    # (In django-q2's sync mode the step would run right here, inside the transaction: defer it.)
+    return "orm" in settings.Q_CLUSTER and not Conf.SYNC and transaction.get_connection().in_atomic_block
+
+
+def send_steps_on_commit(step: str, tasks: list[tuple[Any, int, str | None]]) -> None:
+    """send_step_on_commit for each (task id, generation, lane): with the ORM broker, each lane's
+    messages are written in one statement, in the surrounding transaction."""
+    if not _written_with_the_transaction():
+        for task_id, generation, lane in tasks:
+            send_step_on_commit(step, task_id, generation, lane=lane)
+        return
+    by_cluster: dict[str, list[tuple[Any, int, str | None]]] = {}
+    for task_id, generation, lane in tasks:
+        by_cluster.setdefault(lane or control_cluster(), []).append((task_id, generation, lane))
+    for cluster, sent in by_cluster.items():
+        broker = _broker(cluster)
+        collected = _Collected(broker.list_key)
+        for task_id, generation, lane in sent:
+            costs.count("queue_messages")
+            func, args, name, timeout = _step_message(step, task_id, generation, lane)
+            _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
+        broker.enqueue_many(collected.packages)
 
 
 def _send_or_leave_to_dispatcher(step: str, task_id: Any, generation: int, *, lane: str | None) -> None:

@@ -248,6 +248,9 @@ def task_batch_view(request: HttpRequest, body: schemas.BatchSubmission = Body(.
     tenant: Tenant = request.auth
     outcomes = task_submit_batch(tenant=tenant, items=[_batch_item(item) for item in body.items],
                                  actor=f"api tenant {tenant.name}")
+    # Every item's status URL is this one with its id (built once, not resolved for each item).
+    placeholder = "00000000-0000-0000-0000-000000000000"
+    status_url = request.build_absolute_uri(reverse("api:task", args=[placeholder])).removesuffix(placeholder)
     data = []
     for index, outcome in enumerate(outcomes):
         if outcome.error is not None:
@@ -257,7 +260,7 @@ def task_batch_view(request: HttpRequest, body: schemas.BatchSubmission = Body(.
             continue
         task = outcome.submitted.task
         data.append({"index": index, "status": 202, "id": str(task.pk), "state": task.state,
-                     "status_url": request.build_absolute_uri(reverse("api:task", args=[task.pk])),
+                     "status_url": f"{status_url}{task.pk}",
                      "created_at": _iso(task.created_at), "replayed": outcome.submitted.replayed,
                      "waiting_reason": "lane_full" if task.deferred else None})
     replayed = sum(1 for o in outcomes if o.submitted is not None and o.submitted.replayed)

@@ -32,7 +32,7 @@ from tasks.lifecycle import task_update
 from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
-from tasks.queueing import send_step_on_commit
+from tasks.queueing import send_steps_on_commit
 from tasks.rows import insert_rows, select
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING, lane_slots_by_tenant
@@ -322,10 +322,9 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             # before would make this request's own tasks look long overdue to its lane's gate.
             decided = decide(_Lanes(lane_names), now if not tentative else timezone.now())
             _write(tenant, decided, records)
-        for _, task, _ in decided.accepted:
-            # Pre-checks run on the workers of the task's provisional lane: a batch flood's
-            # pre-checks never queue in front of an interactive task's.
-            send_step_on_commit("precheck", task.pk, 0, lane=task.lane_id)
+        # Pre-checks run on the workers of the task's provisional lane: a batch flood's
+        # pre-checks never queue in front of an interactive task's.
+        send_steps_on_commit("precheck", [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted])
     outcomes, accepted, replayed = decided.outcomes, decided.accepted, decided.replayed
     tasks_by_index = {item.index: task for item, task, _ in accepted}
     stored_ids = [source for source in replayed.values() if not isinstance(source, _Item)]

@@ -42,7 +42,7 @@ def test_each_item_is_accepted_or_refused_on_its_own_and_nothing_refused_is_stor
     assert (body["accepted"], body["replayed"], body["refused"]) == (1, 0, 5)
     accepted = body["data"][0]
     task = Task.objects.get()
-    assert accepted["id"] == str(task.pk) and accepted["state"] == "ACCEPTED" and accepted["status_url"].endswith(f"/api/v1/tasks/{task.pk}")
+    assert accepted["id"] == str(task.pk) and accepted["state"] == "ACCEPTED" and accepted["status_url"] == f"http://testserver/api/v1/tasks/{task.pk}"
     assert TaskEvent.objects.filter(task=task).count() >= 1
     assert api.get(f"/api/v1/tasks/{task.pk}").status_code == 200
 
@@ -117,3 +117,36 @@ def test_two_batches_racing_with_the_same_keys_make_one_task_per_key(vendor, ten
         statuses = sorted([(a["status"], a.get("replayed")), (b["status"], b.get("replayed"))])
         assert a.get("id") == b.get("id") or 409 in (a["status"], b["status"]), (a, b)
         assert statuses in ([(202, False), (202, True)], [(202, False), (409, None)]), statuses
+
+
+def test_a_batch_sends_each_accepted_task_one_precheck_message_on_its_lane(api, vendor):
+    """Every accepted item's pre-check is triggered once, on the workers of its lane; with the
+    embedded broker a lane's messages are written in one statement with the tasks."""
+    from django.conf import settings
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django_q.brokers import get_broker
+    from django_q.models import OrmQ
+    from django_q.signing import SignedPackage
+
+    from tasks.queueing import queue_backlog
+
+    file_id = upload(api)
+    before = {lane: queue_backlog(lane) for lane in ("interactive", "batch")}
+    items = [item(file_id, priority="interactive" if i % 3 == 0 else "batch") for i in range(9)] + [item("nope")]
+    with CaptureQueriesContext(connection) as statements:
+        answer = batch(api, items)
+    assert answer.status_code == 200 and answer.json()["accepted"] == 9, answer.content
+    tasks = {lane: set(Task.objects.filter(lane_id=lane).values_list("pk", flat=True)) for lane in ("interactive", "batch")}
+    assert {lane: len(ids) for lane, ids in tasks.items()} == {"interactive": 3, "batch": 6}
+    assert {lane: queue_backlog(lane) - before[lane] for lane in tasks} == {"interactive": 3, "batch": 6}
+    if settings.REDIS_URL:
+        return
+    inserts = [q["sql"] for q in statements.captured_queries if q["sql"].startswith('INSERT INTO "django_q_ormq"')]
+    assert len(inserts) == 2, inserts
+    for lane, ids in tasks.items():
+        messages = [SignedPackage.loads(payload) for payload in
+                    OrmQ.objects.filter(key=get_broker(lane).list_key).values_list("payload", flat=True)]
+        assert sorted((m["func"], m["args"][0], m["args"][2]) for m in messages) == [("tasks.workers.run_step", "precheck", 0)] * len(ids)
+        assert {m["args"][1] for m in messages} == {str(pk) for pk in ids}
+        assert all(m["timeout"] and m["cluster"] == lane for m in messages)
