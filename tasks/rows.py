@@ -11,15 +11,37 @@ the model's own fields, as the ORM prepares and converts them.
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import connections, router, transaction
-from django.db.models import AutoField, F, FloatField, IntegerField, Model, Value
+from django.db.models import (
+    AutoField,
+    BigIntegerField,
+    CharField,
+    DateTimeField,
+    F,
+    Field,
+    FloatField,
+    ForeignKey,
+    IntegerField,
+    Model,
+    PositiveIntegerField,
+    PositiveSmallIntegerField,
+    SmallIntegerField,
+    TextField,
+    UUIDField,
+    Value,
+)
 from django.db.models.expressions import CombinedExpression
 from django.db.models.fields.reverse_related import ForeignObjectRel
 
 _COLUMNS: dict[tuple[type, str], tuple[list, str]] = {}
+_PREPARERS: dict[tuple[type, str], list[Callable[[Model, Any], Any]]] = {}
 
 
 def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None = None) -> Any:
@@ -45,11 +67,12 @@ def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None
         with transaction.atomic(using=alias):
             return insert_rows(objs, return_pk=return_pk, using=alias)
     rows: list[list[Any]] = []
+    preparers = _preparers(model, alias, fields)
     for obj in objs:
         if not assigned and obj.pk is None:
             obj.pk = pk_field.get_pk_value_on_save(obj)
         obj._prepare_related_fields_for_save(operation_name="insert_rows")
-        values = [f.get_db_prep_save(f.pre_save(obj, True), connection) for f in fields]
+        values = [prepare(obj, connection) for prepare in preparers]
         if any(hasattr(value, "resolve_expression") for value in values):
             return _orm_insert(model, objs, alias, return_pk)
         rows.append(values)
@@ -76,6 +99,53 @@ def _orm_insert(model: type[Model], objs: list[Model], alias: str, return_pk: bo
         return objs[0].pk
     model._base_manager.using(alias).bulk_create(objs)
     return objs[0].pk if return_pk else None
+
+
+def _preparers(model: type[Model], alias: str, fields: list) -> list[Callable[[Model, Any], Any]]:
+    """For each field an INSERT writes, how an instance's value is prepared: what
+    `field.get_db_prep_save(field.pre_save(obj, True), connection)` returns, with the values that
+    chain hands on unchanged or to one adapter (a str for a text column, an int for an integer
+    one, an aware datetime, a UUID, None) passed on without walking it."""
+    key = (model, alias)
+    if key not in _PREPARERS:
+        _PREPARERS[key] = [_preparer(f) for f in fields]
+    return _PREPARERS[key]
+
+
+_TEXT = (CharField, TextField)
+# (Not the automatic keys: theirs is another chain, validate_autopk_value instead of the adapter.)
+_INTEGER = (IntegerField, BigIntegerField, SmallIntegerField, PositiveIntegerField, PositiveSmallIntegerField)
+
+
+def _preparer(field: Field) -> Callable[[Model, Any], Any]:
+    def full(obj: Model, connection: Any) -> Any:
+        return field.get_db_prep_save(field.pre_save(obj, True), connection)
+
+    plain_read = type(field).pre_save is Field.pre_save or (
+        type(field) is DateTimeField and not field.auto_now and not field.auto_now_add)
+    column = field.target_field if type(field) is ForeignKey else field
+    kind = type(column)
+    if not plain_read or not (kind in _TEXT or kind in _INTEGER or kind in (DateTimeField, UUIDField)):
+        return full
+    attname = field.attname
+    internal = column.get_internal_type()
+
+    def prepare(obj: Model, connection: Any) -> Any:
+        value = getattr(obj, attname)
+        if value is None:
+            return None
+        cls = type(value)
+        if kind in _TEXT and cls is str:
+            return value
+        if kind in _INTEGER and cls is int:
+            return connection.ops.adapt_integerfield_value(value, internal)
+        if kind is UUIDField and cls is uuid.UUID:
+            return value if connection.features.has_native_uuid_field else value.hex
+        if kind is DateTimeField and cls is datetime and settings.USE_TZ and value.utcoffset() is not None:
+            return connection.ops.adapt_datetimefield_value(value)
+        return field.get_db_prep_save(value, connection)
+
+    return prepare
 
 
 def _columns(model: type[Model], alias: str, connection: Any) -> tuple[list | None, str]:
