@@ -9,6 +9,7 @@ count of 0 means someone else moved the task first; callers handle that, it is n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.db import connections, router, transaction
@@ -71,15 +72,17 @@ def transition(
     reason: str,
     fields: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    at: datetime | None = None,
 ) -> Moved | None:
-    """Move a task from `source` at `generation` to `target`; None if it was not there any more."""
+    """Move a task from `source` at `generation` to `target`; None if it was not there any more.
+    `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too."""
     source, target = State(source), State(target)
     if not is_allowed(source, target):
         raise IllegalTransition(f"{source} → {target} is not in the lifecycle table")
     changes = dict(fields or {})
     if _PROTECTED & changes.keys():
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
-    now = timezone.now()
+    now = at or timezone.now()
     changes.update(state=target, generation=F("generation") + 1, updated_at=now)
     row = {"id": task_id, "state": source, "generation": generation}
     event = TaskEvent(task_id=task_id, from_state=source, to_state=target, generation=generation + 1,

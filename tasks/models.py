@@ -514,7 +514,7 @@ class TaskEvent(models.Model):
     actor = models.CharField(max_length=100)
     reason = models.CharField(max_length=300)
     data = models.JSONField(default=dict, blank=True)
-    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:
         ordering = ["at", "id"]

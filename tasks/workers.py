@@ -39,7 +39,7 @@ def run_step(step: str, task_id: str, generation: int) -> str:
     from tasks.services.dispatch import dispatch_soon
 
     handlers = {
-        "precheck": functools.partial(intake.task_precheck_and_route, worker_lane=os.environ.get("Q_CLUSTER_NAME")),
+        "precheck": functools.partial(intake.task_precheck_and_route_here, worker_lane=os.environ.get("Q_CLUSTER_NAME")),
         "start": execution.step_start,
         "poll": execution.step_poll,
         "fetch": execution.step_fetch,
@@ -48,14 +48,17 @@ def run_step(step: str, task_id: str, generation: int) -> str:
     }
     started = time.monotonic()
     outcome = handlers[step](task_id, int(generation))
+    admitted = None
+    if step == "precheck":
+        outcome, admitted = outcome.outcome, outcome.task
     log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
               duration_ms=int((time.monotonic() - started) * 1000))
     here = None
     if step == "precheck" and outcome == "queued_here":
-        # Admitted at once into this very lane by its own admission pass (which sent no start
-        # message for it): its generation is the pre-check's one transition on (admission does
-        # not move it); were it not, the start would answer "stale" and the dispatcher send the
-        # start it presumes lost.
+        # Admitted at once into this very lane (as it arrived, or by the pass its arrival ran),
+        # with no start message sent for it: its generation is the pre-check's one transition on
+        # (admission does not move it); were it not, the start would answer "stale" and the
+        # dispatcher send the start it presumes lost.
         here = int(generation) + 1
     elif step == "precheck" and outcome == "queued":
         # Another pass may have admitted it meanwhile (and sent its start message): it is
@@ -65,7 +68,7 @@ def run_step(step: str, task_id: str, generation: int) -> str:
     if here is not None:
         step, generation = "start", here
         started = time.monotonic()
-        outcome = execution.step_start(task_id, generation)
+        outcome = execution.step_start(task_id, generation, task=admitted)
         log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
                   duration_ms=int((time.monotonic() - started) * 1000))
     if step != "precheck" and outcome not in ("stale", "busy", "lost_claim") and _left_its_slots(task_id, outcome):

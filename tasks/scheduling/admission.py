@@ -54,6 +54,13 @@ class AdmissionPolicy:
         return min(eligible, key=lambda t: ((shares[t].running + 1) / shares[t].weight, heads[t].deadline_in_s))
 
     @staticmethod
+    def admits_on_arrival(*, waiting: int, free: int, at_quota: bool) -> bool:
+        """Whether a task arriving in the lane takes a free slot at once, without a pass over the
+        lane: only when nothing else waits there (it would be a pass's only candidate, which
+        `next_tenant` picks unless its tenant is at quota) and a slot is free."""
+        return waiting == 0 and free > 0 and not at_quota
+
+    @staticmethod
     def below_share(tenant: Hashable, shares: Mapping[Hashable, Share]) -> bool:
         """Running fewer than its weight's part of every slot the waiting tenants hold now."""
         total_running = sum(s.running for s in shares.values())

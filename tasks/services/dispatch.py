@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -29,7 +30,7 @@ from tasks.rows import select
 from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
-from tasks.scheduling.channels import channel_rooms, channels_down_for, pick_channel
+from tasks.scheduling.channels import ChannelRoom, channel_rooms, channels_down_for, pick_channel
 from tasks.scheduling.lanes import lane_slots_by_tenant, lane_with_slots_by_tenant
 from tasks.services.execution import new_operation_fields
 from tasks.services.history import history_rollup_due
@@ -381,15 +382,7 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
                 if channels_down_for(task, rooms):
                     park_for_outage(task, now)
                 continue
-            fields: dict[str, Any] = dict(dispatched_at=now, enqueued_at=now)
-            if task.channel_id != room.channel.name or not task.vendor_idempotency_key:
-                fields.update(new_operation_fields(task, room.channel))
-                if task.channel_id and task.channel_id != room.channel.name:
-                    lifecycle.record_event(
-                        task.pk, generation=task.generation, actor=ACTOR,
-                        reason=f"fallback: {task.channel_id} → {room.channel.name}",
-                        data={"from": task.channel_id, "to": room.channel.name},
-                    )
+            fields = _dispatch_fields(task, room, now)
             if not task_update(task.pk, state=S.QUEUED, generation=task.generation, **fields):
                 continue
             slots_reserve(task, room.channel)
@@ -403,6 +396,81 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
             if str(task_id) != str(starting_here):
                 transaction.on_commit(lambda t=task_id, g=generation, n=lane_name: send_step("start", t, g, lane=n))
     return sent
+
+
+def _dispatch_fields(task: Task, room: ChannelRoom, now: datetime) -> dict[str, Any]:
+    """What dispatching `task` onto `room`'s channel writes: the dispatch time and, for a new
+    operation (a first one, or another channel's: a fallback, recorded), its client_ref and key."""
+    fields: dict[str, Any] = dict(dispatched_at=now, enqueued_at=now)
+    if task.channel_id != room.channel.name or not task.vendor_idempotency_key:
+        fields.update(new_operation_fields(task, room.channel))
+        if task.channel_id and task.channel_id != room.channel.name:
+            lifecycle.record_event(
+                task.pk, generation=task.generation, actor=ACTOR,
+                reason=f"fallback: {task.channel_id} → {room.channel.name}",
+                data={"from": task.channel_id, "to": room.channel.name},
+            )
+    return fields
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What became of a pre-checked task queued into its lane (task_queue_on_arrival)."""
+
+    outcome: str  # "deferred", "queued" (waits for a pass), "dispatched" (admitted as it arrived), "stale"
+    lane: Lane
+    standing: dict  # the lane's tenant → (holding a slot, waiting), this task included
+
+
+def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | None, actor: str,
+                          data: dict[str, Any], starting_here: bool = False) -> Arrival:
+    """Move a pre-checked task ACCEPTED → QUEUED in its lane, under the admission lock, and admit
+    it in the same move when nothing else waits there and a slot, its tenant's running quota and
+    a channel have room (incremental admission: a pass over the lane would pick it, and reads the
+    lane's waiting heads to learn so). Otherwise it waits for a pass, which the caller runs
+    (admit_lane) when the lane has a free slot; a lane whose backlog is full defers it.
+
+    The in-memory `task` is left as the move wrote it (its lane, channel and operation), so that
+    a worker starting it here (`starting_here`: no start message is sent) need not read it again."""
+    with dispatch_lock():
+        now = timezone.now()
+        lane, standing = lane_with_slots_by_tenant(lane_name)
+        waiting = sum(queued for _, queued in standing.values())
+        if task.deferred or waiting >= lane.max_queued:
+            task_update(task.pk, state=S.ACCEPTED, generation=task.generation, lane=lane, deferred=True,
+                        estimated_units=estimated_units, due_at=None, lease_owner="", lease_expires_at=None)
+            return Arrival("deferred", lane, standing)
+        task.lane = lane
+        room = None
+        free = lane.max_running - sum(running for running, _ in standing.values())
+        if not lane.paused and free > 0 and waiting == 0:
+            limit = quotas.quotas_effective([task.tenant_id], now=now)[task.tenant_id]
+            at_quota = limit.max_running is not None and quotas.tenant_running(task.tenant_id) >= limit.max_running
+            if AdmissionPolicy.admits_on_arrival(waiting=waiting, free=free, at_quota=at_quota):
+                room = pick_channel(task, channel_rooms())
+        queue_deadline_at = task.created_at + timescale.delta(lane.queue_deadline_s)
+        fields: dict[str, Any] = dict(
+            lane=lane, queued_at=now, estimated_units=estimated_units, due_at=None, lease_owner="",
+            lease_expires_at=None, waiting_reason="", queue_deadline_at=queue_deadline_at,
+            dispatch_deadline_at=min(task.deadline_at, queue_deadline_at))
+        if room is not None:
+            fields.update(_dispatch_fields(task, room, now))
+        moved = lifecycle.transition(task.pk, source=S.ACCEPTED, target=S.QUEUED, generation=task.generation,
+                                     actor=actor, reason=f"pre-check passed; lane {lane.name}", fields=fields,
+                                     data=data, at=now)
+        if moved is None:
+            return Arrival("stale", lane, standing)
+        for name, value in fields.items():
+            setattr(task, name, value)
+        task.state, task.generation = S.QUEUED, moved.generation
+        running, queued = standing.get(task.tenant_id, (0, 0))
+        if room is None:
+            standing = {**standing, task.tenant_id: (running, queued + 1)}
+            return Arrival("queued", lane, standing)
+        slots_reserve(task, room.channel)
+        if not starting_here:
+            transaction.on_commit(lambda: send_step("start", task.pk, task.generation, lane=lane.name))
+        return Arrival("dispatched", lane, {**standing, task.tenant_id: (running + 1, queued)})
 
 
 def admission_head(task: Task, now: datetime) -> Head:

@@ -28,16 +28,15 @@ from tasks.errors import (
     SluiceError,
     UnsupportedType,
 )
-from tasks.lifecycle import task_update
 from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_steps_on_commit
 from tasks.rows import insert_rows, select
 from tasks.scheduling.admission import LaneLoad, admission_gate
-from tasks.scheduling.lanes import ROUTING, lane_slots_by_tenant
+from tasks.scheduling.lanes import ROUTING
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
-from tasks.services.dispatch import admit_lane
+from tasks.services.dispatch import admit_lane, task_queue_on_arrival
 from tasks.services.execution import Lease
 from tasks.services.notifications import callback_url_validate
 from tasks.services.outcomes import task_move
@@ -512,17 +511,31 @@ def _uuid_or_none(value: str):
 
 
 # --- after acceptance: pre-check and routing ---------------------------------------------------
+@dataclass(frozen=True)
+class Routed:
+    """A pre-check's outcome; a task admitted as it arrived comes with it, as the move wrote it."""
+
+    outcome: str
+    task: Task | None = None
+
+
 def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str | None = None) -> str:
     """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
     workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
     itself if it is admitted into that lane at once ("queued_here": no start message was sent)."""
+    return task_precheck_and_route_here(task_id, generation, worker_lane=worker_lane).outcome
+
+
+def task_precheck_and_route_here(task_id: Any, generation: int, *, worker_lane: str | None = None) -> Routed:
+    """task_precheck_and_route, with the task as the move wrote it when it was admitted into
+    `worker_lane` as it arrived (the worker starts it without reading it again)."""
     task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=("file", "lane", "tenant"),
                             extra={"has_entries": content_has_entries()})), None)
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
-        return "stale"
+        return Routed("stale")
     lease = Lease.claim(task)
     if lease is None:
-        return "busy"
+        return Routed("busy")
     file = task.file
     entries = content_entries(task.tenant_id, file.sha256) if bool(task.has_entries) else []
     if file.precheck_state == FileVersion.Precheck.PENDING:
@@ -535,7 +548,7 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
             fields=dict(error_code="quarantined", error_message=f"the file was quarantined ({findings.get('reason')})",
                         lease_owner="", lease_expires_at=None),
         )
-        return "quarantined"
+        return Routed("quarantined")
     family = findings.get("family")
     if family in (filetypes.AUDIO, filetypes.DOCUMENT, filetypes.TEXT) and family not in filetypes.INPUT_FAMILIES[task.kind]:
         task_move(
@@ -545,31 +558,21 @@ def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str |
                         error_message=f"the file is {family}; {task.kind} needs {' or '.join(sorted(filetypes.INPUT_FAMILIES[task.kind]))}",
                         lease_owner="", lease_expires_at=None),
         )
-        return "input_mismatch"
+        return Routed("input_mismatch")
     # Content let out of quarantine (by an operator, or lifted after an engine upgrade) runs in
     # the unknown-risk lane, under its strict budget, whichever upload of it this is.
     released = bool(findings.get("released")) or released_from_poison(entries)
     lane_name = ROUTING.lane_for(priority=task.priority, size=file.size, findings=findings, released=released)
-    lane = task.lane if task.lane_id == lane_name else Lane.objects.get(pk=lane_name)
-    units = _estimated_units(task.kind, findings)
-    # The lane's load per tenant, read once: its backlog limit here, its free slots in admission.
-    standing = lane_slots_by_tenant(lane)
-    if task.deferred or sum(waiting for _, waiting in standing.values()) >= lane.max_queued:
-        task_update(task.pk, state=State.ACCEPTED, generation=generation, lane=lane, deferred=True,
-                    estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None)
-        return "deferred"
-    now = timezone.now()
-    queue_deadline_at = task.created_at + timescale.delta(lane.queue_deadline_s)
-    moved = task_move(
-        task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=generation, actor="precheck",
-        reason=f"pre-check passed; lane {lane.name}",
-        fields=dict(lane=lane, queued_at=now, estimated_units=units, due_at=None, lease_owner="", lease_expires_at=None,
-                    queue_deadline_at=queue_deadline_at, dispatch_deadline_at=min(task.deadline_at, queue_deadline_at)),
-        data={"lane": lane.name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")},
-    )
-    if moved and not lane.paused:
-        here = lane.name == worker_lane
-        sent = admit_lane(lane, timezone.now(), starting_here=task.pk if here else None, looked=standing)
+    here = lane_name == worker_lane
+    arrival = task_queue_on_arrival(
+        task, lane_name, estimated_units=_estimated_units(task.kind, findings), actor="precheck", starting_here=here,
+        data={"lane": lane_name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")})
+    if arrival.outcome == "dispatched":
+        return Routed("queued_here", task) if here else Routed("queued")
+    if arrival.outcome != "queued":
+        return Routed(arrival.outcome)
+    if not arrival.lane.paused:
+        sent = admit_lane(arrival.lane, timezone.now(), starting_here=task.pk if here else None, looked=arrival.standing)
         if here and any(str(task_id) == str(task.pk) for task_id, _, _ in sent):
-            return "queued_here"
-    return "queued"
+            return Routed("queued_here")
+    return Routed("queued")

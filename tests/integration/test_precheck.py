@@ -156,8 +156,9 @@ def test_a_pre_check_left_behind_by_a_dead_worker_is_killed_and_its_temp_dir_rem
 def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries_only_if_any(api):
     """The step every task runs: the content's quarantine entries are read only when the task's
     own read says there are some (for the older detector's entries its verdict releases and for
-    a poison release), and then once; the lane's load once before the task is queued (its backlog
-    limit, then admission's look at free slots), once more under the dispatch lock with the lane."""
+    a poison release), and then once; the lane with its load once, under the dispatch lock (its
+    backlog limit and its free slots), and no pass over the lane's waiting tasks when nothing else
+    waits there: the task is admitted in the move that queues it."""
     from collections import Counter
 
     from django.db import connection
@@ -183,7 +184,8 @@ def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries
     after = Task.objects.get(pk=task.pk)
     assert after.state == "QUEUED" and after.dispatched_at is not None, "admitted in the same step"
     assert kinds["SELECT tasks_quarantine"] == 0 and kinds["UPDATE tasks_quarantine"] == 0, kinds
-    assert kinds["SELECT tasks_lanetenantload"] == 1 and kinds["SELECT tasks_lane"] == 1, kinds
+    assert kinds["SELECT tasks_lanetenantload"] == 0 and kinds["SELECT tasks_lane"] == 1, kinds
+    assert kinds["SELECT tasks_task"] == 1 and kinds["UPDATE tasks_task"] == 2, kinds  # its read, lease and move
     # Content an operator let out of a poison quarantine: its entry is read, once, and obeyed.
     task = Task.objects.get(pk=submit_file(api))
     Quarantine.objects.create(tenant_id=task.tenant_id, file=task.file, sha256=task.file.sha256, reason="poison",
@@ -243,7 +245,6 @@ def test_a_worker_killed_during_a_pre_check_takes_its_server_and_the_check_with_
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     data, scratch = tmp_path / "data", tmp_path / "tmp"
     scratch.mkdir()

@@ -35,6 +35,17 @@ def test_a_tenant_at_its_quota_is_skipped_and_none_when_all_are():
     assert POLICY.next_tenant(heads, {"a": Share(1, 1, True), "b": Share(5, 1, True)}) is None
 
 
+def test_an_arrival_takes_a_free_slot_at_once_only_where_a_pass_would_pick_it():
+    """Incremental admission agrees with a pass: alone in the lane, a task not at its quota is
+    the pass's pick; with others waiting (or no slot free) it waits for the pass."""
+    alone = {"t": Head(waited_s=0, deadline_in_s=3600)}
+    for at_quota in (False, True):
+        picked = POLICY.next_tenant(alone, {"t": Share(3, 1, at_quota=at_quota)}) == "t"
+        assert AdmissionPolicy.admits_on_arrival(waiting=0, free=1, at_quota=at_quota) is picked
+    assert not AdmissionPolicy.admits_on_arrival(waiting=1, free=5, at_quota=False)
+    assert not AdmissionPolicy.admits_on_arrival(waiting=0, free=0, at_quota=False)
+
+
 def gate(**load):
     return admission_gate(max_queued=10, max_running=4, early_close_pct=80, oldest_wait_limit_s=150, busy_close_pct=0,
                           load=LaneLoad(**{"waiting": 0, "running": 0, "oldest_wait_s": 0.0, **load}))

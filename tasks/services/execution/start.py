@@ -52,8 +52,9 @@ P = Task.Phase
 ATTEMPT_OF = "t.task_id = %s AND t.generation = %s"  # the attempt of a task's generation (rows.update)
 
 
-def step_start(task_id: Any, generation: int) -> str:
-    task = load_task(task_id)
+def step_start(task_id: Any, generation: int, *, task: Task | None = None) -> str:
+    """`task`: the task as the caller has just written it (admitted it here), not read again."""
+    task = task or load_task(task_id)
     if task is None or task.state != S.QUEUED or task.generation != generation or task.dispatched_at is None:
         return "stale"
     now = timezone.now()
