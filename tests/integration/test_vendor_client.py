@@ -324,3 +324,43 @@ def test_a_duplicate_billed_after_the_task_finished_is_caught_by_ledger_reconcil
     incident = DuplicateIncident.objects.get(task=task)
     assert incident.kept_job_id == task.vendor_job.vendor_job_id and len(incident.duplicate_job_ids) == 1
     assert billing_reconcile()["duplicates_reported"] == 0  # reported once
+
+
+def test_a_cookie_a_vendor_sets_is_never_sent_back(transactional_db):
+    """Vendor APIs authenticate by header; the pooled client a process keeps per vendor must not
+    carry a cookie set in the answer to one task's call into the next task's calls."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tasks.vendors.http import VendorHttp, problem_details
+
+    seen: list[str | None] = []
+
+    class SetsCookies(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's protocol
+            seen.append(self.headers.get("Cookie"))
+            body = json.dumps({"ok": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Set-Cookie", f"session=task-{len(seen)}; Path=/")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SetsCookies)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        VendorChannel.objects.filter(name="primary").update(base_url=f"http://127.0.0.1:{server.server_port}/cookies")
+        channel = VendorChannel.objects.get(pk="primary")
+        for task_id in (None, None, None):
+            http = VendorHttp(channel, task_id=task_id, auth_headers={"Authorization": "Bearer k"},
+                              error_details=problem_details)
+            assert http.call("get_job", "GET", "/v1/jobs/1") == {"ok": True}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [None, None, None]
