@@ -11,16 +11,17 @@ written the same way, as django-q2 reads and writes them.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from time import sleep
 from typing import Any
 
-from django.db import router
+from django.db import connections, router
 from django.utils import timezone
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 from django_q.models import OrmQ
 
-from tasks.rows import insert_rows, select, update
+from tasks.rows import insert_rows, update_sql
 
 
 class Orm(ORM):
@@ -42,15 +43,34 @@ class Orm(ORM):
 
     def dequeue(self) -> list[tuple[Any, str]] | None:
         """django-q2's: up to BULK messages due, each claimed by moving its lock forward only if
-        no other cluster moved it first; None (after a pause of POLL) when none is due."""
+        no other cluster moved it first (here in one statement, where django-q2 reads them and
+        then claims each); None (after a pause of POLL) when none is due."""
         if router.db_for_read(OrmQ) != Conf.ORM or router.db_for_write(OrmQ) != Conf.ORM:
             return super().dequeue()
-        self.get_connection()
-        due = select(OrmQ, "t.key = %s AND t.lock < %s LIMIT %s",
-                     [("key", self.list_key), ("lock", timezone.now()), (None, Conf.BULK)])
-        if not due:
+        self.get_connection()  # old connections closed outside a transaction, as django-q2's does
+        now = timezone.now()
+        claimed = _claimed(Conf.ORM, self.list_key, now, now + timedelta(seconds=Conf.RETRY))
+        if not claimed:
             sleep(Conf.POLL)
             return None
-        return [(message.pk, message.payload) for message in due
-                if update(OrmQ, {"lock": self.timeout(message)}, "t.id = %s AND t.lock = %s",
-                          [("id", message.pk), ("lock", message.lock)])]
+        return claimed
+
+
+def _claimed(alias: str, key: str, now: datetime, until: datetime) -> list[tuple[Any, str]]:
+    """Up to BULK due messages of `key`, the oldest first, claimed in one statement: each one's
+    lock moved forward only where it is still due, so a message another pusher claimed first is
+    not claimed again (PostgreSQL checks that condition again on the row it waited for)."""
+    quote = connections[alias].ops.quote_name
+
+    def column(name: str) -> str:
+        return quote(OrmQ._meta.get_field(name).column)
+
+    table, pk, lock = quote(OrmQ._meta.db_table), column("id"), column("lock")
+    built = update_sql(OrmQ, {"lock": until},
+                       f"t.{pk} IN (SELECT q.{pk} FROM {table} q WHERE q.{column('key')} = %s AND q.{lock} < %s "
+                       f"ORDER BY q.{pk} LIMIT %s) AND t.{lock} < %s",
+                       [("key", key), ("lock", now), (None, Conf.BULK), ("lock", now)],
+                       returning=f"{pk}, {column('payload')}")
+    with connections[alias].cursor() as cursor:
+        cursor.execute(*built)
+        return sorted((row[0], row[1]) for row in cursor.fetchall())

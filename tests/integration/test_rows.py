@@ -90,12 +90,42 @@ def test_the_embedded_brokers_message_is_written_and_taken_as_django_q2_writes_i
     with CaptureQueriesContext(connection) as statements:
         (taken_id, payload), = broker.dequeue()
     assert (taken_id, payload) == (message_id, "payload")
-    assert [q["sql"].split()[0] for q in statements.captured_queries] == ["SELECT", "UPDATE"]
+    assert [q["sql"].split()[0] for q in statements.captured_queries] == ["UPDATE"]  # found and claimed at once
     # Claimed: its lock moved a retry period ahead, so neither this cluster nor another takes it again.
     locked_until = OrmQ.objects.get(pk=message_id).lock
     assert timezone.now() + timedelta(seconds=settings.Q_CLUSTER["retry"] - 60) < locked_until
     assert (broker.queue_size(), broker.lock_size()) == (0, 1)
     assert broker.dequeue() is None
+
+
+def test_the_embedded_brokers_messages_are_taken_oldest_first_each_by_one_pusher_only():
+    import threading
+
+    from django.conf import settings
+    from django.db import connections
+    from django_q.brokers import get_broker
+
+    if settings.REDIS_URL:
+        pytest.skip("the embedded broker's: with REDIS_URL the broker is Redis")
+    sent = [get_broker("sluice-rows-race").enqueue(f"m{i}") for i in range(40)]
+    assert get_broker("sluice-rows-race").dequeue() == [(sent[0], "m0")]
+    taken: list[list] = [[] for _ in range(4)]
+
+    def pusher(into: list) -> None:
+        broker = get_broker("sluice-rows-race")
+        try:
+            while (claimed := broker.dequeue()) is not None:
+                into.extend(claimed)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=pusher, args=(into,)) for into in taken]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    claimed = sorted(message for into in taken for message in into)
+    assert claimed == [(pk, f"m{i}") for i, pk in enumerate(sent)][1:]  # every one once, none twice
 
 
 def test_select_reads_what_the_orm_reads(tenant):
