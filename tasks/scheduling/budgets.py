@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.db import connections, router
-from django.db.models import Count, Q
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
@@ -46,11 +45,6 @@ class ChannelUsage:
         return channel.max_concurrent_uploads - self.uploads
 
 
-def _open_slots(channel: VendorChannel):
-    # A slot released "in the future" is still held: an aborted upload may still be draining.
-    return BudgetSlot.objects.filter(channel=channel).filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()))
-
-
 def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
     """Every channel's usage in one statement, whatever the number of channels (the dispatcher
     looks at all of them on every admission pass): the open slots and the live jobs, counted
@@ -66,7 +60,7 @@ def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
     connection = connections[alias]
     now = BudgetSlot._meta.get_field("released_at").get_db_prep_value(timezone.now(), connection)
     with connection.cursor() as cursor:
-        cursor.execute(_usage_sql(alias, len(names)), [*names, now, *names])
+        cursor.execute(_usage_sql(alias, len(names)), [*names, *names, now, *names])
         found = cursor.fetchall()
     for name, kind, lane, n in found:
         if kind == UPLOAD:
@@ -92,12 +86,19 @@ def _usage_sql(alias: str, count: int) -> str:
 
     names = ", ".join(["%s"] * count)
     task, task_id, lane = table(Task), column(Task, "id"), column(Task, "lane")
+    released = column(BudgetSlot, "released_at")
+
+    def open_slots(condition: str) -> str:
+        # Two branches, one per condition, so that each reads its range of the (channel,
+        # released_at) index: a slot table keeps every slot ever released, and an OR of the two
+        # read all of a channel's slots on every admission (25 ms for 100,000 finished tasks).
+        return (f"SELECT s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}, COUNT(*)"
+                f" FROM {table(BudgetSlot)} s LEFT JOIN {task} l ON l.{task_id} = s.{column(BudgetSlot, 'task')}"
+                f" WHERE s.{column(BudgetSlot, 'channel')} IN ({names}) AND s.{released} {condition}"
+                f" GROUP BY s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}")
+
     return (
-        f"SELECT s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}, COUNT(*)"
-        f" FROM {table(BudgetSlot)} s LEFT JOIN {task} l ON l.{task_id} = s.{column(BudgetSlot, 'task')}"
-        f" WHERE s.{column(BudgetSlot, 'channel')} IN ({names})"
-        f" AND (s.{column(BudgetSlot, 'released_at')} IS NULL OR s.{column(BudgetSlot, 'released_at')} > %s)"
-        f" GROUP BY s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}"
+        f"{open_slots('IS NULL')} UNION ALL {open_slots('> %s')}"
         f" UNION ALL SELECT j.{column(VendorJob, 'channel')}, '{JOB.value}', l.{lane}, COUNT(*)"
         f" FROM {table(VendorJob)} j LEFT JOIN {task} l ON l.{task_id} = j.{column(VendorJob, 'task')}"
         f" WHERE j.{column(VendorJob, 'channel')} IN ({names}) AND j.{column(VendorJob, 'terminal_at')} IS NULL"
@@ -105,18 +106,7 @@ def _usage_sql(alias: str, count: int) -> str:
 
 
 def channel_usage(channel: VendorChannel) -> ChannelUsage:
-    open_slots = _open_slots(channel)
-    reserved_jobs = open_slots.filter(kind=JOB).count()
-    live_jobs = VendorJob.objects.filter(channel=channel, terminal_at__isnull=True).count()
-    uploads = open_slots.filter(kind=UPLOAD).count()
-    by_lane: dict[str, int] = {}
-    if channel.lane_slots:
-        for rows in (open_slots.filter(kind=JOB).values("task__lane_id").annotate(n=Count("id")),
-                     VendorJob.objects.filter(channel=channel, terminal_at__isnull=True)
-                     .values("task__lane_id").annotate(n=Count("id"))):
-            for row in rows:
-                by_lane[row["task__lane_id"] or ""] = by_lane.get(row["task__lane_id"] or "", 0) + row["n"]
-    return ChannelUsage(jobs=reserved_jobs + live_jobs, uploads=uploads, jobs_by_lane=by_lane)
+    return channels_usage([channel])[channel.name]
 
 
 def slots_reserve(task: Task, channel: VendorChannel) -> None:

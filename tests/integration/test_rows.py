@@ -3,6 +3,7 @@ exactly what the ORM would (both databases: the suite runs again on PostgreSQL).
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -213,12 +214,13 @@ def test_select_reads_the_reverse_side_of_a_one_to_one(django_assert_num_queries
         assert found["rows-a"].health.channel is found["rows-a"]
 
 
-def test_every_channels_usage_in_one_statement_counts_what_the_consoles_queries_count(tenant, django_assert_num_queries):
-    """Admission's statement (built once, for any number of channels) against the console's
-    per-channel ORM counts: open, held-in-the-future and released slots, live and terminal jobs,
-    in several lanes."""
+def test_every_channels_usage_in_one_statement_counts_what_the_orm_counts(tenant, django_assert_num_queries):
+    """Admission's statement (built once, for any number of channels) against per-channel ORM
+    counts: open, held-in-the-future and released slots, live and terminal jobs, in several lanes."""
+    from django.db.models import Q
+
     from tasks.models import BudgetSlot, VendorJob
-    from tasks.scheduling.budgets import JOB, UPLOAD, channel_usage, channels_usage
+    from tasks.scheduling.budgets import JOB, UPLOAD, channels_usage
 
     now = timezone.now()
     channels = list(VendorChannel.objects.order_by("name"))
@@ -236,14 +238,46 @@ def test_every_channels_usage_in_one_statement_counts_what_the_consoles_queries_
         usages = channels_usage(channels)
     assert set(usages) == {c.name for c in channels}
     for channel in channels:
-        console = channel_usage(channel)
-        assert (usages[channel.name].jobs, usages[channel.name].uploads) == (console.jobs, console.uploads), channel.name
-        if channel.lane_slots:
-            assert usages[channel.name].jobs_by_lane == console.jobs_by_lane
+        held = BudgetSlot.objects.filter(Q(released_at__isnull=True) | Q(released_at__gt=timezone.now()), channel=channel)
+        live = VendorJob.objects.filter(channel=channel, terminal_at__isnull=True).count()
+        assert (usages[channel.name].jobs, usages[channel.name].uploads) == (
+            held.filter(kind=JOB).count() + live, held.filter(kind=UPLOAD).count()), channel.name
     assert (usages[primary.name].jobs, usages[primary.name].uploads) == (5, 1)
     assert usages[primary.name].jobs_by_lane == {"interactive": 1, "batch": 3, "heavy": 1}
     assert (usages[other.name].jobs, usages[other.name].uploads) == (2, 1)
     assert channels_usage([]) == {}
+
+
+def test_the_channels_usage_reads_the_open_slots_by_index_not_every_slot_ever_released(tenant):
+    """Every finished task leaves its released slots behind: admission, which reads the usage on
+    every pass under its lock, reads only the open ones, by a range of an index (its cost does
+    not grow with the installation's history)."""
+    from django.db import connections
+
+    from tasks.scheduling.budgets import _usage_sql
+
+    channels = list(VendorChannel.objects.order_by("name"))
+    sql = _usage_sql(connection.alias, len(channels))
+    names = [c.name for c in channels]
+    params = [*names, *names, timezone.now(), *names]
+    with connections[connection.alias].cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute(f"EXPLAIN QUERY PLAN {sql}", params)
+            plan = [row[-1] for row in cursor.fetchall() if " s " in f" {row[-1]} "]
+            assert plan and all("budgetslot_channel_open (channel_id=? AND released_at" in step for step in plan), plan
+        else:
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a few rows here: make the planner show its index use
+            cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
+            plan = cursor.fetchone()[0]
+            plan = json.loads(plan) if isinstance(plan, str) else plan
+            nodes, reads = [plan[0]["Plan"]], []
+            while nodes:
+                node = nodes.pop()
+                nodes += node.get("Plans", [])
+                if node.get("Relation Name") == "tasks_budgetslot":
+                    reads.append((node["Node Type"], node.get("Index Name"), node.get("Index Cond", "")))
+            assert len(reads) == 2 and all(name == "budgetslot_channel_open" and "released_at" in cond
+                                           for _, name, cond in reads), reads
 
 
 def test_an_inserts_values_are_prepared_as_the_fields_themselves_prepare_them(inline_queue, api):
