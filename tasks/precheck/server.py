@@ -35,12 +35,20 @@ MAX_OUTPUT = 1024 * 1024
 _PR_SET_PDEATHSIG = 1
 
 
+def _prctl():
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None
+
+
+_PRCTL = _prctl()  # loaded once: each check's child calls it
+
+
 def die_with_parent() -> None:
     """Have the kernel kill this process when its parent dies (SIGKILL included)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def virtual_size() -> int:
