@@ -90,6 +90,12 @@ if DATABASE_URL:
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3,
          "keepalives_count": 3, "tcp_user_timeout": 15000, **DATABASES["default"].get("OPTIONS", {})})
+    # Statements a connection runs again are prepared on the server (parsed and planned once):
+    # the same few statements run for every task, and planning them again each time was most of
+    # the database server's CPU per task. Off for a pooler that cannot keep a connection's
+    # prepared statements (PgBouncer in transaction mode before 1.21).
+    if env("SLUICE_DB_PREPARED_STATEMENTS", True):
+        DATABASES["default"]["OPTIONS"].update(server_side_binding=True, prepare_threshold=2)
 else:
     # WAL + IMMEDIATE transactions + a busy timeout on every connection: without them, writes
     # from several worker processes fail with "database is locked" (shared/notes/django-q2.md).
