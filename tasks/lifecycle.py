@@ -62,6 +62,17 @@ class Moved:
     generation: int
 
 
+@dataclass(frozen=True)
+class Hop:
+    """One more transition in the same move (`transition(..., then=[Hop(...)])`), recorded as its own
+    history entry."""
+
+    target: State | str
+    actor: str
+    reason: str
+    data: dict[str, Any] | None = None
+
+
 def transition(
     task_id: Any,
     *,
@@ -73,30 +84,37 @@ def transition(
     fields: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     at: datetime | None = None,
+    then: list[Hop] | None = None,
 ) -> Moved | None:
     """Move a task from `source` at `generation` to `target`; None if it was not there any more.
-    `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too."""
-    source, target = State(source), State(target)
-    if not is_allowed(source, target):
-        raise IllegalTransition(f"{source} → {target} is not in the lifecycle table")
+    `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too.
+    `then`: transitions on from `target` made in the same compare-and-set, each allowed by the
+    table and each with its history entry and its generation (a worker that admits a task and
+    claims it at once: QUEUED, then RUNNING); `fields` are what the row holds after the last."""
+    hops = [Hop(target, actor, reason, data), *(then or [])]
+    states = [State(source), *(State(hop.target) for hop in hops)]
+    for before, after in zip(states, states[1:], strict=False):
+        if not is_allowed(before, after):
+            raise IllegalTransition(f"{before} → {after} is not in the lifecycle table")
     changes = dict(fields or {})
     if _PROTECTED & changes.keys():
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
     now = at or timezone.now()
-    changes.update(state=target, generation=F("generation") + 1, updated_at=now)
-    row = {"id": task_id, "state": source, "generation": generation}
-    event = TaskEvent(task_id=task_id, from_state=source, to_state=target, generation=generation + 1,
-                      actor=actor[:100], reason=reason[:300], data=data or {}, at=now)
+    changes.update(state=states[-1], generation=F("generation") + len(hops), updated_at=now)
+    row = {"id": task_id, "state": states[0], "generation": generation}
+    events = [TaskEvent(task_id=task_id, from_state=before, to_state=hop.target, generation=generation + n,
+                        actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
+              for n, (before, hop) in enumerate(zip(states, hops, strict=False), start=1)]
     alias = router.db_for_write(Task)
     if connections[alias].vendor == "postgresql":
-        moved = _update_and_record(row, changes, event)
+        moved = _update_and_record(row, changes, events)
     else:
         # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
         with transaction.atomic(using=alias, savepoint=False):
             moved = bool(_update(row, changes))
             if moved:
-                insert_rows([event], using=alias)
-    return Moved(generation=generation + 1) if moved else None
+                insert_rows(events, using=alias)
+    return Moved(generation=generation + len(hops)) if moved else None
 
 
 def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
@@ -126,10 +144,10 @@ def _matching(conditions: dict[str, Any]) -> QuerySet:
 _EVENT_COLUMNS = ("task_id", "from_state", "to_state", "generation", "actor", "reason", "data", "at")
 
 
-def _update_and_record(row: dict[str, Any], changes: dict[str, Any], event: TaskEvent) -> bool:
-    """The compare-and-set and its history entry in one statement (PostgreSQL): the UPDATE's
-    RETURNING feeds the INSERT, so the entry exists exactly when the row moved, without a
-    transaction of its own or a second round trip."""
+def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent]) -> bool:
+    """The compare-and-set and its history entries in one statement (PostgreSQL): the UPDATE's
+    RETURNING feeds the INSERT, so the entries exist exactly when the row moved, without a
+    transaction of their own or a second round trip."""
     alias = router.db_for_write(Task)
     connection = connections[alias]
     pk = connection.ops.quote_name(Task._meta.pk.column)
@@ -146,13 +164,16 @@ def _update_and_record(row: dict[str, Any], changes: dict[str, Any], event: Task
     fields = [TaskEvent._meta.get_field(name) for name in _EVENT_COLUMNS]
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
     casts = ", ".join(f"%s::{field.db_type(connection)}" for field in fields[1:])
-    values = [field.get_db_prep_save(getattr(event, field.attname), connection) for field in fields[1:]]
+    names = ", ".join(f"c{n}" for n in range(1, len(fields)))
+    values = [field.get_db_prep_save(getattr(event, field.attname), connection) for event in events for field in fields[1:]]
+    rows = ", ".join([f"({casts})"] * len(events))
     sql = (f"WITH moved AS ({update_sql}) "
            f"INSERT INTO {connection.ops.quote_name(TaskEvent._meta.db_table)} ({columns}) "
-           f"SELECT moved.{pk}, {casts} FROM moved")
+           f"SELECT moved.{pk}, {names} FROM moved CROSS JOIN (VALUES {rows}) AS entries ({names}) "
+           f"ORDER BY c{_EVENT_COLUMNS.index('generation')}")  # ids in the order of the moves
     with connection.cursor() as cursor:
         cursor.execute(sql, (*update_params, *values))
-        return cursor.rowcount == 1
+        return cursor.rowcount == len(events)
 
 
 def task_update(task_id: Any, *, state: State | str, generation: int, expect: dict[str, Any] | None = None,
@@ -183,7 +204,7 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
                       at=now)
     alias = router.db_for_write(Task)
     if connections[alias].vendor == "postgresql":
-        return _update_and_record(row, fields, event)
+        return _update_and_record(row, fields, [event])
     with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
         updated = bool(_update(row, fields))
         if updated:

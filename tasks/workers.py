@@ -55,11 +55,12 @@ def run_step(step: str, task_id: str, generation: int) -> str:
               duration_ms=int((time.monotonic() - started) * 1000))
     here = None
     if step == "precheck" and outcome == "queued_here":
-        # Admitted at once into this very lane (as it arrived, or by the pass its arrival ran),
-        # with no start message sent for it: its generation is the pre-check's one transition on
-        # (admission does not move it); were it not, the start would answer "stale" and the
-        # dispatcher send the start it presumes lost.
-        here = int(generation) + 1
+        # Admitted at once into this very lane, with no start message sent for it: as it arrived
+        # (and claimed for this worker in the same move: `admitted` is RUNNING), or by the pass
+        # its arrival ran (its generation is then the pre-check's one transition on: admission
+        # does not move it; were it not, the start would answer "stale" and the dispatcher send
+        # the start it presumes lost).
+        here = admitted.generation if admitted is not None else int(generation) + 1
     elif step == "precheck" and outcome == "queued":
         # Another pass may have admitted it meanwhile (and sent its start message): it is
         # started here all the same, not behind the pre-checks queued on this lane's cluster.

@@ -26,13 +26,13 @@ from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, Vendo
 from tasks.observability import log_event
 from tasks.precheck.sandbox import kill_orphans
 from tasks.queueing import queue_backlog, send, send_step
-from tasks.rows import select
+from tasks.rows import insert_rows, select
 from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
 from tasks.scheduling.channels import ChannelRoom, channel_rooms, channels_down_for, pick_channel
 from tasks.scheduling.lanes import lane_slots_by_tenant, lane_with_slots_by_tenant
-from tasks.services.execution import new_operation_fields
+from tasks.services.execution import claim, claim_attempt, new_operation_fields
 from tasks.services.history import history_rollup_due
 from tasks.services.outcomes import task_move
 from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
@@ -430,8 +430,10 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
     lane's waiting heads to learn so). Otherwise it waits for a pass, which the caller runs
     (admit_lane) when the lane has a free slot; a lane whose backlog is full defers it.
 
-    The in-memory `task` is left as the move wrote it (its lane, channel and operation), so that
-    a worker starting it here (`starting_here`: no start message is sent) need not read it again."""
+    `starting_here`: the calling worker runs the lane's steps, so an admitted task is also claimed
+    for it in the same move (QUEUED, then RUNNING, each recorded) and no start message is sent.
+    The in-memory `task` is left as the move wrote it (its lane, channel, operation and claim), so
+    that the worker need not read it again."""
     with dispatch_lock():
         now = timezone.now()
         lane, standing = lane_with_slots_by_tenant(lane_name)
@@ -453,22 +455,31 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
             lane=lane, queued_at=now, estimated_units=estimated_units, due_at=None, lease_owner="",
             lease_expires_at=None, waiting_reason="", queue_deadline_at=queue_deadline_at,
             dispatch_deadline_at=min(task.deadline_at, queue_deadline_at))
+        claimed, then = {}, []
         if room is not None:
             fields.update(_dispatch_fields(task, room, now))
+            if starting_here:
+                task.channel, task.queued_at = room.channel, now
+                claimed, hop = claim(task, now)
+                then = [hop]
         moved = lifecycle.transition(task.pk, source=S.ACCEPTED, target=S.QUEUED, generation=task.generation,
-                                     actor=actor, reason=f"pre-check passed; lane {lane.name}", fields=fields,
-                                     data=data, at=now)
+                                     actor=actor, reason=f"pre-check passed; lane {lane.name}", at=now, data=data,
+                                     fields={**fields, **claimed, **({"attempts": F("attempts") + 1} if claimed else {})},
+                                     then=then)
         if moved is None:
             return Arrival("stale", lane, standing)
-        for name, value in fields.items():
+        for name, value in {**fields, **claimed}.items():
             setattr(task, name, value)
-        task.state, task.generation = S.QUEUED, moved.generation
+        task.state, task.generation = (S.RUNNING if claimed else S.QUEUED), moved.generation
         running, queued = standing.get(task.tenant_id, (0, 0))
         if room is None:
             standing = {**standing, task.tenant_id: (running, queued + 1)}
             return Arrival("queued", lane, standing)
         slots_reserve(task, room.channel)
-        if not starting_here:
+        if claimed:
+            task.attempts += 1
+            insert_rows([claim_attempt(task, moved.generation, claimed, now)])
+        else:
             transaction.on_commit(lambda: send_step("start", task.pk, task.generation, lane=lane.name))
         return Arrival("dispatched", lane, {**standing, task.tenant_id: (running + 1, queued)})
 

@@ -127,3 +127,40 @@ def test_a_transition_writes_its_fields_and_exactly_one_history_entry_or_nothing
                                 actor="late", reason="late") is None
     assert Task.objects.get(pk=task.pk).generation == task.generation + 1
     assert TaskEvent.objects.filter(task=task, to_state="QUEUED").count() == 1
+
+
+def test_a_move_through_several_states_records_each_and_is_refused_where_any_step_is(db, api):
+    """A move with `then` (a worker admitting a task and claiming it at once): one compare-and-set,
+    each transition checked against the table and recorded in order with its own generation; a
+    path with a step the table does not allow writes nothing."""
+    from django.db import connection
+
+    task = Task.objects.select_related("lane").get(pk=submit_file(api))
+    with pytest.raises(lifecycle.IllegalTransition):
+        lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
+                             actor="t", reason="x", then=[lifecycle.Hop(State.SUCCEEDED, "t", "skip")])
+    statements: list[str] = []
+
+    def spy(execute, sql, params, many, context):
+        statements.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(spy):
+        moved = lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
+                                     actor="precheck", reason="into the lane", data={"lane": "batch"},
+                                     fields={"lane": task.lane, "lease_owner": "w"},
+                                     then=[lifecycle.Hop(State.RUNNING, "worker w", "claimed", {"queue_wait_s": 0})])
+    assert moved is not None and moved.generation == task.generation + 2
+    after = Task.objects.get(pk=task.pk)
+    assert (after.state, after.generation, after.lease_owner) == ("RUNNING", task.generation + 2, "w")
+    entries = list(TaskEvent.objects.filter(task=task).exclude(to_state="ACCEPTED").order_by("at", "id")
+                   .values_list("from_state", "to_state", "generation", "actor", "data"))
+    assert entries == [("ACCEPTED", "QUEUED", task.generation + 1, "precheck", {"lane": "batch"}),
+                       ("QUEUED", "RUNNING", task.generation + 2, "worker w", {"queue_wait_s": 0})]
+    writes = [s for s in statements if not s.startswith(("SAVEPOINT", "RELEASE", "BEGIN"))]
+    assert len(writes) == (1 if connection.vendor == "postgresql" else 2), writes
+    # Lost: nothing written.
+    assert lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
+                                actor="late", reason="late", then=[lifecycle.Hop(State.RUNNING, "l", "l")]) is None
+    assert TaskEvent.objects.filter(task=task).exclude(to_state="ACCEPTED").count() == 2
+

@@ -188,6 +188,21 @@ def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries
     # Its read, its lease, and its move (on PostgreSQL one statement with its history entry).
     assert kinds["SELECT tasks_task"] == 1, kinds
     assert kinds["UPDATE tasks_task"] + kinds["WITH INSERT INTO tasks_taskevent"] == 2, kinds
+    # On a worker of the lane it is admitted into, the same move also claims it for that worker
+    # (QUEUED, then RUNNING, each recorded), with its attempt, and hands it over as written.
+    from tasks.models import Attempt, TaskEvent
+    from tasks.services.intake import task_precheck_and_route_here
+    from tasks.services.execution.lease import worker_id
+
+    task = Task.objects.get(pk=submit_file(api))
+    routed = task_precheck_and_route_here(task.pk, task.generation, worker_lane=task.lane_id)
+    after = Task.objects.get(pk=task.pk)
+    assert routed.outcome == "queued_here" and routed.task.state == after.state == "RUNNING"
+    assert routed.task.generation == after.generation == task.generation + 2
+    assert (after.lease_owner, after.attempts, routed.task.attempts) == (worker_id(), 1, 1)
+    assert list(TaskEvent.objects.filter(task=task).order_by("at", "id").values_list("to_state", "generation")) == [
+        ("ACCEPTED", 0), ("QUEUED", 1), ("RUNNING", 2)]
+    assert Attempt.objects.filter(task=task, generation=2, owner=worker_id(), ended_at=None).count() == 1
     # Content an operator let out of a poison quarantine: its entry is read, once, and obeyed.
     task = Task.objects.get(pk=submit_file(api))
     Quarantine.objects.create(tenant_id=task.tenant_id, file=task.file, sha256=task.file.sha256, reason="poison",

@@ -16,7 +16,7 @@ from tasks.services.execution.jobs import step_billing_audit, step_probe, step_v
 from tasks.services.execution.lease import Lease
 from tasks.services.execution.poll import step_fetch, step_poll
 from tasks.services.execution.reconcile import step_reconcile
-from tasks.services.execution.start import new_operation_fields, step_start
+from tasks.services.execution.start import claim, claim_attempt, new_operation_fields, step_start
 
-__all__ = ["Lease", "new_operation_fields", "step_billing_audit", "step_cancel", "step_fetch", "step_poll", "step_probe", "step_reconcile",
+__all__ = ["Lease", "claim", "claim_attempt", "new_operation_fields", "step_billing_audit", "step_cancel", "step_fetch", "step_poll", "step_probe", "step_reconcile",
            "step_start", "step_vendor_job_cleanup"]

@@ -53,33 +53,51 @@ ATTEMPT_OF = "t.task_id = %s AND t.generation = %s"  # the attempt of a task's g
 
 
 def step_start(task_id: Any, generation: int, *, task: Task | None = None) -> str:
-    """`task`: the task as the caller has just written it (admitted it here), not read again."""
+    """Claim the task (QUEUED → RUNNING) and submit it to its channel. `task`: the task as the
+    caller has just written it, not read again; RUNNING if the caller claimed it for this worker
+    in the move that admitted it (dispatch.task_queue_on_arrival)."""
+    if task is not None and task.state == S.RUNNING:
+        return _run(task)
     task = task or load_task(task_id)
     if task is None or task.state != S.QUEUED or task.generation != generation or task.dispatched_at is None:
         return "stale"
     now = timezone.now()
-    lease_expires = now + timedelta(seconds=lease_seconds())
-    claimed = dict(
-        started_at=task.started_at or now,
-        phase=P.UPLOAD if uses_two_step(task.channel, capabilities_for(task.channel)) else P.CREATE,
-        lease_owner=worker_id(), lease_expires_at=lease_expires,
-        attempt_deadline_at=now + timescale.delta(task.lane.execution_timeout_s), due_at=None, enqueued_at=None,
-    )
-    moved = lifecycle.transition(
-        task.pk, source=S.QUEUED, target=S.RUNNING, generation=generation, actor=actor(), reason="claimed by a worker",
-        fields=dict(claimed, attempts=F("attempts") + 1),
-        data={"channel": task.channel_id, "queue_wait_s": round((now - (task.queued_at or task.created_at)).total_seconds(), 3)},
-    )
+    claimed, hop = claim(task, now)
+    moved = lifecycle.transition(task.pk, source=S.QUEUED, target=hop.target, generation=generation, actor=hop.actor,
+                                 reason=hop.reason, fields=dict(claimed, attempts=F("attempts") + 1), data=hop.data)
     if moved is None:
         return "lost_claim"
-    host, pid = socket.gethostname(), os.getpid()
-    insert_rows([Attempt(task=task, generation=moved.generation, owner=worker_id(), host=host[:100], pid=pid,
-                         lease_expires_at=lease_expires, heartbeat_at=now, channel=task.channel)])
+    insert_rows([claim_attempt(task, moved.generation, claimed, now)])
     # The row is now what the claim wrote (compare-and-set on the generation read above): the
     # task goes on in memory, with its channel, file and lane as loaded.
     for name, value in claimed.items():
         setattr(task, name, value)
     task.state, task.generation, task.attempts = S.RUNNING, moved.generation, task.attempts + 1
+    return _run(task)
+
+
+def claim(task: Task, now: datetime) -> tuple[dict[str, Any], lifecycle.Hop]:
+    """What a worker's claim of a QUEUED task writes (besides one attempt more) and its history
+    entry: its lease, its attempt's deadline, the phase it starts in."""
+    fields = dict(
+        started_at=task.started_at or now,
+        phase=P.UPLOAD if uses_two_step(task.channel, capabilities_for(task.channel)) else P.CREATE,
+        lease_owner=worker_id(), lease_expires_at=now + timedelta(seconds=lease_seconds()),
+        attempt_deadline_at=now + timescale.delta(task.lane.execution_timeout_s), due_at=None, enqueued_at=None,
+    )
+    waited = round((now - (task.queued_at or task.created_at)).total_seconds(), 3)
+    return fields, lifecycle.Hop(S.RUNNING, actor(), "claimed by a worker",
+                                 {"channel": task.channel_id, "queue_wait_s": waited})
+
+
+def claim_attempt(task: Task, generation: int, claimed: dict[str, Any], now: datetime) -> Attempt:
+    """The attempt a claim made at `now` (`claimed`: its fields) starts, at the task's generation after it."""
+    return Attempt(task=task, generation=generation, owner=claimed["lease_owner"], host=socket.gethostname()[:100],
+                   pid=os.getpid(), lease_expires_at=claimed["lease_expires_at"], heartbeat_at=now, channel=task.channel)
+
+
+def _run(task: Task) -> str:
+    """Submit the claimed task under its lease; the lease goes with the step."""
     lease = Lease.adopt(task)
     started = time.monotonic()
     ended = None
