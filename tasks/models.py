@@ -432,6 +432,9 @@ class Task(models.Model):
             models.Index(fields=["lane", "state", "dispatched_at", "created_at"], name="task_lane_state_oldest"),
             models.Index(fields=["tenant", "state"]),
             models.Index(fields=["tenant", "-created_at"]),
+            # The history's per-minute rollup reads the tasks submitted and started in its minutes.
+            models.Index(fields=["created_at"], name="task_created_at"),
+            models.Index(fields=["started_at"], name="task_started_at"),
             models.Index(fields=["state", "deadline_at"]),
             models.Index(fields=["vendor_client_ref"]),
         ]
@@ -535,6 +538,7 @@ class IdempotencyRecord(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="idempotency_record_unique")]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_record_created")]  # the prune's range
 
 
 class VendorJob(models.Model):
@@ -568,7 +572,11 @@ class VendorJob(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["channel", "vendor_job_id"], name="vendor_job_unique")
         ]
-        indexes = [models.Index(fields=["channel", "terminal_at"])]
+        indexes = [
+            models.Index(fields=["channel", "terminal_at"]),
+            # The jobs still live (the clean-up's probe, every dispatcher pass), not every job ever made.
+            models.Index(fields=["task"], condition=models.Q(terminal_at__isnull=True), name="vendorjob_live"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.channel_id}:{self.vendor_job_id}"

@@ -147,8 +147,13 @@ def expire_queue_deadlines(now: datetime) -> int:
     return expired
 
 
+# The states a business deadline still fails a task in: named, so that the probe reads an index
+# range per state instead of every finished task ("not finished" is most of the table).
+DEADLINE_STATES = tuple(s for s in S if s not in TERMINAL_STATES and s != S.CANCEL_REQUESTED)
+
+
 def _past_business_deadline(now: datetime) -> QuerySet:
-    return Task.objects.filter(deadline_at__lt=now).exclude(state__in=[*TERMINAL_STATES, S.CANCEL_REQUESTED])
+    return Task.objects.filter(state__in=DEADLINE_STATES, deadline_at__lt=now)
 
 
 def enforce_business_deadlines(now: datetime) -> int:
