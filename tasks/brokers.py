@@ -59,7 +59,9 @@ class Orm(ORM):
 def _claimed(alias: str, key: str, now: datetime, until: datetime) -> list[tuple[Any, str]]:
     """Up to BULK due messages of `key`, the oldest first, claimed in one statement: each one's
     lock moved forward only where it is still due, so a message another pusher claimed first is
-    not claimed again (PostgreSQL checks that condition again on the row it waited for)."""
+    not claimed again (PostgreSQL checks that condition again on the row it waited for). On
+    SQLite a poll that finds nothing also takes the write lock, for an instant: a read first would
+    spare it that, at one statement more for every message."""
     quote = connections[alias].ops.quote_name
 
     def column(name: str) -> str:
