@@ -432,8 +432,7 @@ class Task(models.Model):
             models.Index(fields=["lane", "state", "dispatched_at", "created_at"], name="task_lane_state_oldest"),
             models.Index(fields=["tenant", "state"]),
             models.Index(fields=["tenant", "-created_at"]),
-            # The history's per-minute rollup reads the tasks submitted and started in its minutes.
-            models.Index(fields=["created_at"], name="task_created_at"),
+            # The history's per-minute rollup reads the tasks started in its minutes.
             models.Index(fields=["started_at"], name="task_started_at"),
             models.Index(fields=["state", "deadline_at"]),
             models.Index(fields=["vendor_client_ref"]),

@@ -47,6 +47,8 @@ TARGETS = {
     "batch_vs_single": 5.0,
     "statements_per_task": 15,
     "queue_messages_per_task": 3,
+    # A task's cost does not grow with the installation's history (about 1; below this it does).
+    "pipeline_with_history_ratio": 0.8,
 }
 BATCH_SIZE = 100
 PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
@@ -218,13 +220,20 @@ class Bench:
     def _web_cpu_s(self) -> float:
         return self._cpu()["web"]
 
+    @staticmethod
+    def _states(ids: list[str]) -> Counter:
+        """How many of these tasks are in each state, read by their keys (with a state in the
+        condition, SQLite reads a long history's finished tasks by the state index instead)."""
+        return Counter(Task.objects.filter(pk__in=ids).values_list("state", flat=True))
+
     def _costs(self) -> dict[str, int]:
         return costs_module.totals(self.workdir / "costs")
 
     # --- figures -------------------------------------------------------------------------------
-    def pipeline(self) -> None:
+    def pipeline(self, prefix: str = "") -> None:
+        """`prefix`: the figures' keys, for the same run on a database that holds a history."""
         count = 40 if self.quick else 150
-        self.log(f"pipeline: {count} tasks end to end")
+        self.log(f"{prefix.rstrip('_') or 'pipeline'}: {count} tasks end to end")
         contents = [files.with_marker(files.wav(1), f"bench-{i}-{uuid.uuid4().hex}".encode()) for i in range(count)]
         with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             file_ids = [self._upload(client, c) for c in contents]
@@ -238,34 +247,34 @@ class Bench:
             client, file_ids[i], priority="interactive" if i % 2 else "batch"))
         deadline = started + 300
         while time.monotonic() < deadline:
-            done = Task.objects.filter(pk__in=ids, state__in=TERMINAL_STATES).count()
+            done = sum(n for state, n in self._states(ids).items() if state in TERMINAL_STATES)
             if done == count:
                 break
             time.sleep(0.05)
         elapsed = time.monotonic() - started
-        succeeded = Task.objects.filter(pk__in=ids, state=State.SUCCEEDED).count()
+        succeeded = self._states(ids)[State.SUCCEEDED]
         # Where the CPU went, per task and by process (the kernel's accounting), beside the same
         # figure of the bare vendor loop.
         used = cpu.spent(cpu_before, self._cpu())
-        self.figures["pipeline_cpu_ms_per_task"] = {
+        self.figures[f"{prefix}pipeline_cpu_ms_per_task"] = {
             name: round(seconds * 1000 / max(succeeded, 1), 1)
             for name, seconds in sorted(used.items(), key=lambda item: -item[1]) if seconds > 0}
         time.sleep(2 * costs_module.FLUSH_S + 0.2)  # every process has written what it counted
         spent = self._costs()
         # Everything the system did meanwhile, divided by the tasks (the dispatcher's idle ticks too).
         for key, figure in (("statements", "statements_per_task"), ("queue_messages", "queue_messages_per_task")):
-            self.figures[figure] = round((spent.get(key, 0) - costs_before.get(key, 0)) / max(succeeded, 1), 1)
+            self.figures[prefix + figure] = round((spent.get(key, 0) - costs_before.get(key, 0)) / max(succeeded, 1), 1)
         # Where they go: per task, by verb and table, the largest first (information).
         kinds = {key[4:]: (spent[key] - costs_before.get(key, 0)) / max(succeeded, 1) for key in spent if key.startswith("sql:")}
-        self.figures["statements_per_task_by_kind"] = {
+        self.figures[f"{prefix}statements_per_task_by_kind"] = {
             name: round(value, 1) for name, value in sorted(kinds.items(), key=lambda item: -item[1]) if value >= 0.1}
         if os.environ.get("SLUICE_COUNT_WHERE"):  # and from where (the innermost Sluice frames)
             where = {key[3:]: (spent[key] - costs_before.get(key, 0)) / max(succeeded, 1) for key in spent if key.startswith("at:")}
-            self.figures["statements_per_task_where"] = {
+            self.figures[f"{prefix}statements_per_task_where"] = {
                 name: round(value, 2) for name, value in sorted(where.items(), key=lambda item: -item[1]) if value >= 0.05}
-        self.figures["pipeline_tps"] = round(succeeded / elapsed, 2)
-        self.figures["pipeline_tasks"] = count
-        self.figures["pipeline_stages_median_s"] = self._stages(ids)
+        self.figures[f"{prefix}pipeline_tps"] = round(succeeded / elapsed, 2)
+        self.figures[f"{prefix}pipeline_tasks"] = count
+        self.figures[f"{prefix}pipeline_stages_median_s"] = self._stages(ids)
 
     def convert(self) -> None:
         """Documents through Sluice's local engine against a bare loop of `soffice --convert-to pdf`
@@ -360,6 +369,25 @@ class Bench:
             for (state, at), (_, later) in zip(events, events[1:], strict=False):
                 spans.setdefault(state, []).append((later - at).total_seconds())
         return {state: round(how(values), 3) for state, values in spans.items()}
+
+    def history(self) -> None:
+        """The pipeline again, on a database that by then holds a long history: the rows of
+        100,000 finished tasks (20,000 with --quick), a task a second over the day before. A
+        task's cost must not grow with them (`pipeline_with_history_ratio`, about 1)."""
+        from tasks.bench.history import seed_finished_tasks
+
+        count = 20_000 if self.quick else 100_000
+        template = Task.objects.filter(state=State.SUCCEEDED, vendor_job__isnull=False).order_by("-finished_at").first()
+        if template is None or not self.figures.get("pipeline_tps"):
+            self.log("history: skipped (it needs the pipeline section's tasks)")
+            return
+        self.log(f"history: the rows of {count} finished tasks")
+        started = time.monotonic()
+        self.figures["history_tasks"] = seed_finished_tasks(template, count)
+        self.figures["history_seed_s"] = round(time.monotonic() - started, 1)
+        self.pipeline(prefix="history_")
+        self.figures["pipeline_with_history_ratio"] = round(
+            self.figures["history_pipeline_tps"] / self.figures["pipeline_tps"], 3)
 
     def raw_q2(self) -> None:
         from django_q.brokers import get_broker
@@ -675,7 +703,7 @@ class Bench:
             if wanted("raw_q2"):
                 self.raw_q2()
             self.start_workers()
-            for section in ("vendor_loop", "pipeline", "polls", "isolation", "convert"):
+            for section in ("vendor_loop", "pipeline", "polls", "isolation", "convert", "history"):
                 if wanted(section):
                     getattr(self, section)()
             self.stop_workers()
@@ -722,10 +750,12 @@ def verdicts(figures: dict[str, Any]) -> dict[str, bool | None]:
         "batch_vs_single": at_least("batch_vs_single", TARGETS["batch_vs_single"]),
         "statements_per_task": at_most("statements_per_task", TARGETS["statements_per_task"]),
         "queue_messages_per_task": at_most("queue_messages_per_task", TARGETS["queue_messages_per_task"]),
+        "pipeline_with_history_ratio": at_least("pipeline_with_history_ratio", TARGETS["pipeline_with_history_ratio"]),
     }
 
 
-SECTIONS = ("uploads", "raw_q2", "vendor_loop", "pipeline", "polls", "isolation", "convert", "intake", "matrix")
+SECTIONS = ("uploads", "raw_q2", "vendor_loop", "pipeline", "polls", "isolation", "convert", "history", "intake",
+            "matrix")
 
 
 def run_child(workdir: Path, *, quick: bool, out: Path, only: set[str] | None = None) -> None:

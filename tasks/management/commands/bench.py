@@ -30,6 +30,7 @@ ROWS = [
     ("queue messages per task (counted)", "queue_messages_per_task", None, "queue_messages_per_task"),
     ("pipeline (tasks/s vs raw django-q2)", "pipeline_tps", "raw_q2_tps", "pipeline_vs_q2"),
     ("pipeline (tasks/s vs bare vendor loop)", "pipeline_tps", "bare_vendor_loop_tps", "pipeline_vs_vendor_loop"),
+    ("pipeline over a long history (tasks/s)", "history_pipeline_tps", "pipeline_tps", "pipeline_with_history_ratio"),
     ("upload to vendor (MB/s vs curl)", "upload_mb_s", "curl_upload_mb_s", "upload_ratio"),
     ("upload intake (MB/s vs curl)", "intake_upload_mb_s", "curl_upload_mb_s", "intake_upload_ratio"),
     ("peak RSS web / worker (MB)", "web_peak_rss_mb", "worker_peak_rss_mb", "peak_rss_mb"),
