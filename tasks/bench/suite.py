@@ -47,8 +47,10 @@ TARGETS = {
     "batch_vs_single": 5.0,
     "statements_per_task": 15,
     "queue_messages_per_task": 3,
-    # A task's cost does not grow with the installation's history (about 1; below this it does).
-    "pipeline_with_history_ratio": 0.8,
+    # A task's cost does not grow with the installation's history: about 1, within the machine's
+    # noise between two runs of 150 tasks (±20 % here); a statement reading the history whole
+    # made it 0.3.
+    "pipeline_with_history_ratio": 0.7,
 }
 BATCH_SIZE = 100
 PIPELINE_SCALE = 0.01  # polls after 30 ms instead of 3 s: the vendor answers at once in this test
@@ -233,7 +235,7 @@ class Bench:
     def pipeline(self, prefix: str = "") -> None:
         """`prefix`: the figures' keys, for the same run on a database that holds a history."""
         count = 40 if self.quick else 150
-        self.log(f"{prefix.rstrip('_') or 'pipeline'}: {count} tasks end to end")
+        self.log(f"{prefix.rstrip('_').replace('_', ' ') or 'pipeline'}: {count} tasks end to end")
         contents = [files.with_marker(files.wav(1), f"bench-{i}-{uuid.uuid4().hex}".encode()) for i in range(count)]
         with httpx.Client(timeout=60, trust_env=False, verify=ssl_context()) as client:
             file_ids = [self._upload(client, c) for c in contents]
@@ -373,7 +375,8 @@ class Bench:
     def history(self) -> None:
         """The pipeline again, on a database that by then holds a long history: the rows of
         100,000 finished tasks (20,000 with --quick), a task a second over the day before. A
-        task's cost must not grow with them (`pipeline_with_history_ratio`, about 1)."""
+        task's cost must not grow with them (`pipeline_with_history_ratio`: the pipeline on them
+        against the pipeline run just before they were added, about 1)."""
         from tasks.bench.history import seed_finished_tasks
 
         count = 20_000 if self.quick else 100_000
@@ -381,13 +384,16 @@ class Bench:
         if template is None or not self.figures.get("pipeline_tps"):
             self.log("history: skipped (it needs the pipeline section's tasks)")
             return
+        # Measured again just before, beside it: what ran earlier in the run (a flood, a 1 GiB
+        # upload) leaves the machine and the database busier or quieter than the first pipeline.
+        self.pipeline(prefix="before_history_")
         self.log(f"history: the rows of {count} finished tasks")
         started = time.monotonic()
         self.figures["history_tasks"] = seed_finished_tasks(template, count)
         self.figures["history_seed_s"] = round(time.monotonic() - started, 1)
         self.pipeline(prefix="history_")
         self.figures["pipeline_with_history_ratio"] = round(
-            self.figures["history_pipeline_tps"] / self.figures["pipeline_tps"], 3)
+            self.figures["history_pipeline_tps"] / self.figures["before_history_pipeline_tps"], 3)
 
     def raw_q2(self) -> None:
         from django_q.brokers import get_broker
