@@ -1,5 +1,6 @@
 """Claims and fencing: one winner per race, and a fenced attempt can change nothing."""
 
+import contextlib
 import threading
 
 import pytest
@@ -68,6 +69,20 @@ def test_a_fenced_attempt_cannot_write_state_or_results(vendor, api):
     assert after.state == "RECONCILING" and after.result_sha256 == ""
 
 
+@contextlib.contextmanager
+def _writes():
+    """The statements run inside, but for the transaction's own (BEGIN, savepoints)."""
+    statements: list[str] = []
+
+    def spy(execute, sql, params, many, context):
+        if not sql.startswith(("SAVEPOINT", "RELEASE", "BEGIN")):
+            statements.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(spy):
+        yield statements
+
+
 def test_every_allowed_transition_writes_an_event_and_every_other_is_refused(db, api):
     task = Task.objects.get(pk=submit_file(api))
     for source in State:
@@ -98,17 +113,10 @@ def test_a_transition_writes_its_fields_and_exactly_one_history_entry_or_nothing
     """The compare-and-set and its history entry (on PostgreSQL one statement): the entry carries
     what the caller said, expressions and related rows in the fields are applied, and a
     transition that lost its compare-and-set leaves neither a change nor an entry."""
-    from django.db import connection
     from django.db.models import F
 
     task = Task.objects.select_related("lane").get(pk=submit_file(api))
-    statements: list[str] = []
-
-    def spy(execute, sql, params, many, context):
-        statements.append(sql)
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(spy):
+    with _writes() as writes:
         moved = lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
                                      actor="a" * 150, reason="into the lane", data={"lane": "batch", "pages": None},
                                      fields=dict(lane=task.lane, attempts=F("attempts") + 2, error_code="x"))
@@ -119,7 +127,6 @@ def test_a_transition_writes_its_fields_and_exactly_one_history_entry_or_nothing
     event = TaskEvent.objects.get(task=task, to_state="QUEUED")
     assert (event.from_state, event.generation, event.actor, event.reason, event.data) == (
         "ACCEPTED", task.generation + 1, "a" * 100, "into the lane", {"lane": "batch", "pages": None})
-    writes = [s for s in statements if not s.startswith(("SAVEPOINT", "RELEASE", "BEGIN"))]
     assert len(writes) == (1 if connection.vendor == "postgresql" else 2), writes
 
     # The same transition again, from the generation it started at: lost, and nothing written.
@@ -133,19 +140,11 @@ def test_a_move_through_several_states_records_each_and_is_refused_where_any_ste
     """A move with `then` (a worker admitting a task and claiming it at once): one compare-and-set,
     each transition checked against the table and recorded in order with its own generation; a
     path with a step the table does not allow writes nothing."""
-    from django.db import connection
-
     task = Task.objects.select_related("lane").get(pk=submit_file(api))
     with pytest.raises(lifecycle.IllegalTransition):
         lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
                              actor="t", reason="x", then=[lifecycle.Hop(State.SUCCEEDED, "t", "skip")])
-    statements: list[str] = []
-
-    def spy(execute, sql, params, many, context):
-        statements.append(sql)
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(spy):
+    with _writes() as writes:
         moved = lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
                                      actor="precheck", reason="into the lane", data={"lane": "batch"},
                                      fields={"lane": task.lane, "lease_owner": "w"},
@@ -157,7 +156,6 @@ def test_a_move_through_several_states_records_each_and_is_refused_where_any_ste
                    .values_list("from_state", "to_state", "generation", "actor", "data"))
     assert entries == [("ACCEPTED", "QUEUED", task.generation + 1, "precheck", {"lane": "batch"}),
                        ("QUEUED", "RUNNING", task.generation + 2, "worker w", {"queue_wait_s": 0})]
-    writes = [s for s in statements if not s.startswith(("SAVEPOINT", "RELEASE", "BEGIN"))]
     assert len(writes) == (1 if connection.vendor == "postgresql" else 2), writes
     # Lost: nothing written.
     assert lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=task.generation,
