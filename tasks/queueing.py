@@ -121,12 +121,18 @@ def step_timeout_s(lane: str) -> int:
     if cached and time.monotonic() - cached[0] < LANE_TIMEOUT_CACHE_S:
         return cached[1]
     execution = Lane.objects.filter(pk=lane).values_list("execution_timeout_s", flat=True).first()
+    if execution is None:
+        return settings.LANE_STEP_TIMEOUT_S.get(lane, settings.Q_CLUSTER["timeout"])
+    return lane_read(lane, execution)
+
+
+def lane_read(lane: str, execution_timeout_s: float) -> int:
+    """Note a lane's execution timeout as a row just read says it (admission reads the lane before
+    it sends starts, which step_timeout_s would otherwise read again); its steps' timeout."""
     scale = float(settings.TIME_SCALE)
     bound = settings.LANE_STEP_TIMEOUT_S.get(lane, settings.Q_CLUSTER["timeout"])
-    if execution is None:
-        return bound
     grace = max(settings.STEP_GRACE_S * scale, settings.STEP_GRACE_FLOOR_S)
-    timeout = min(int(math.ceil(execution * scale + grace)), bound)
+    timeout = min(int(math.ceil(execution_timeout_s * scale + grace)), bound)
     _lane_timeouts[lane] = (time.monotonic(), timeout)
     return timeout
 

@@ -25,7 +25,7 @@ from tasks.lifecycle import task_update
 from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, VendorJob
 from tasks.observability import log_event
 from tasks.precheck.sandbox import kill_orphans
-from tasks.queueing import queue_backlog, send, send_step
+from tasks.queueing import lane_read, queue_backlog, send, send_step
 from tasks.rows import insert_rows, select
 from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
@@ -360,6 +360,7 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
         lane, standing = lane_with_slots_by_tenant(lane.pk)
         if lane is None or lane.paused:
             return []
+        lane_read(lane.name, lane.execution_timeout_s)
         free = lane.max_running - sum(running for running, _ in standing.values())
         tenants = [t for t, (_, waiting) in standing.items() if waiting]
         if free <= 0 or not tenants:
@@ -442,6 +443,7 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
     with dispatch_lock():
         now = timezone.now()
         lane, standing = lane_with_slots_by_tenant(lane_name)
+        lane_read(lane.name, lane.execution_timeout_s)
         waiting = sum(queued for _, queued in standing.values())
         if task.deferred or waiting >= lane.max_queued:
             task_update(task.pk, state=S.ACCEPTED, generation=task.generation, lane=lane, deferred=True,

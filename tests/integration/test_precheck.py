@@ -168,6 +168,9 @@ def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries
     from tasks.services.intake import task_precheck_and_route
 
     def precheck(task: Task) -> tuple[str, Counter]:
+        from tasks.queueing import _lane_timeouts
+
+        _lane_timeouts.clear()  # the start it sends does not read the lane again for its timeout
         kinds: Counter = Counter()
 
         def spy(execute, sql, params, many, context):
