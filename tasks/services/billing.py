@@ -208,42 +208,73 @@ def task_of_client_ref(client_ref: str) -> Task | None:
         return None
 
 
+LEDGER_CHECK_BATCH = 2000
+
+
 def duplicates_from_ledger() -> int:
-    """Group every channel's ledger by task; report each task billed more than once that its
-    incident does not fully name yet. Returns how many incidents were opened or grew."""
-    known = {(c, j): t for c, j, t in VendorJob.objects.values_list("channel_id", "vendor_job_id", "task_id")}
-    by_task: dict[Any, list[LedgerEntry]] = defaultdict(list)
-    for entry in LedgerEntry.objects.order_by("billed_at", "id"):
-        task_id = known.get((entry.channel_id, entry.job_id))
-        if task_id is None and entry.client_ref:
-            task = task_of_client_ref(entry.client_ref)
-            task_id = task.pk if task else None
-        if task_id is not None:
-            by_task[task_id].append(entry)
+    """Report each task the vendors' ledgers bill more than once that its incident does not fully
+    name yet. Only what changed is read: the entries not matched yet are matched with the task
+    they bill (by their job, else by their client_ref), and each task they bill is looked at with
+    all its entries (a task is billed twice only when a second entry for it arrives). Returns how
+    many incidents were opened or grew."""
     reported = 0
-    for task_id, entries in by_task.items():
-        if len(entries) < 2:
-            continue
-        incident = DuplicateIncident.objects.filter(task_id=task_id).first()
-        named = set(incident.duplicate_job_ids) | {incident.kept_job_id} if incident else set()
-        if {e.job_id for e in entries} <= named:
-            continue
-        task = Task.objects.get(pk=task_id)
-        for entry in entries:
-            job, created = VendorJob.objects.get_or_create(
-                channel_id=entry.channel_id, vendor_job_id=entry.job_id,
-                defaults=dict(task=task, client_ref=entry.client_ref, idempotency_key=entry.idempotency_key,
-                              status="unknown", adopted=True, amount_cents=entry.amount_cents,
-                              billing_units=entry.units, billing_unit=entry.unit, cancel_requested_at=timezone.now()),
-            )
-            if not created and job.amount_cents is None:
-                VendorJob.objects.filter(pk=job.pk).update(amount_cents=entry.amount_cents)
-        if task_billing_check(task_id) is not None:
-            lifecycle.record_event(task_id, generation=task.generation, actor="billing reconciliation",
-                                   reason=f"the vendors' ledgers bill this task {len(entries)} times",
-                                   data={"jobs": [e.job_id for e in entries]})
-            reported += 1
-    return reported
+    while True:
+        fresh = list(LedgerEntry.objects.filter(checked_at__isnull=True).order_by("id")[:LEDGER_CHECK_BATCH])
+        if not fresh:
+            return reported
+        jobs = _jobs_billed(fresh)
+        by_task: dict[Any, list[int]] = defaultdict(list)
+        for entry in fresh:
+            task_id = jobs.get((entry.channel_id, entry.job_id))
+            if task_id is None and entry.client_ref:
+                task = task_of_client_ref(entry.client_ref)
+                task_id = task.pk if task else None
+            by_task[task_id].append(entry.pk)
+        for task_id, entry_ids in by_task.items():
+            LedgerEntry.objects.filter(pk__in=entry_ids).update(task_id=task_id)
+        for task_id in by_task.keys() - {None}:
+            reported += _ledger_report(task_id)
+        # Matched only once reported: a check cut off in between matches them again next time.
+        LedgerEntry.objects.filter(pk__in=[entry.pk for entry in fresh]).update(checked_at=timezone.now())
+
+
+def _jobs_billed(entries: list[LedgerEntry]) -> dict[tuple[str, str], Any]:
+    """(channel, vendor job id) → task, for the jobs these entries bill that Sluice knows."""
+    wanted: dict[str, set[str]] = defaultdict(set)
+    for entry in entries:
+        wanted[entry.channel_id].add(entry.job_id)
+    found = {}
+    for channel_id, job_ids in wanted.items():  # read by the (channel, job) index
+        found.update({(channel_id, job_id): task_id for job_id, task_id in VendorJob.objects.filter(
+            channel_id=channel_id, vendor_job_id__in=job_ids).values_list("vendor_job_id", "task_id")})
+    return found
+
+
+def _ledger_report(task_id: Any) -> int:
+    """1 if the task's ledger entries bill it more than once and its incident did not name them all yet."""
+    entries = list(LedgerEntry.objects.filter(task_id=task_id).order_by("billed_at", "id"))
+    if len(entries) < 2:
+        return 0
+    incident = DuplicateIncident.objects.filter(task_id=task_id).first()
+    named = set(incident.duplicate_job_ids) | {incident.kept_job_id} if incident else set()
+    if {e.job_id for e in entries} <= named:
+        return 0
+    task = Task.objects.get(pk=task_id)
+    for entry in entries:
+        job, created = VendorJob.objects.get_or_create(
+            channel_id=entry.channel_id, vendor_job_id=entry.job_id,
+            defaults=dict(task=task, client_ref=entry.client_ref, idempotency_key=entry.idempotency_key,
+                          status="unknown", adopted=True, amount_cents=entry.amount_cents,
+                          billing_units=entry.units, billing_unit=entry.unit, cancel_requested_at=timezone.now()),
+        )
+        if not created and job.amount_cents is None:
+            VendorJob.objects.filter(pk=job.pk).update(amount_cents=entry.amount_cents)
+    if task_billing_check(task_id) is None:
+        return 0
+    lifecycle.record_event(task_id, generation=task.generation, actor="billing reconciliation",
+                           reason=f"the vendors' ledgers bill this task {len(entries)} times",
+                           data={"jobs": [e.job_id for e in entries]})
+    return 1
 
 
 def billing_reconcile() -> dict[str, Any]:

@@ -130,6 +130,30 @@ def test_the_ledger_check_groups_billing_by_task_not_by_client_ref(inline_queue,
     assert billing_reconcile()["duplicates_reported"] == 0
 
 
+def test_the_ledger_check_reads_only_new_entries_and_still_sees_a_bill_that_arrives_later(inline_queue, api):
+    """Each check matches only the entries it has not matched yet; a task's second bill, arriving
+    in a later check than its first, is reported with the first (read by the task they bill)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks.models import LedgerEntry
+    from tasks.services.billing import billing_reconcile, duplicates_from_ledger
+
+    primary_only()
+    task = run_until(submit_file(api))
+    assert billing_reconcile()["duplicates_reported"] == 0  # its one bill, matched with it
+    first = LedgerEntry.objects.get(task=task)
+    assert first.checked_at is not None
+    with CaptureQueriesContext(connection) as nothing_new:
+        assert duplicates_from_ledger() == 0
+    assert len(nothing_new.captured_queries) == 1, "a check with nothing new reads only that there is nothing"
+    extra = inline_queue.control.create_job(channel="primary", client_ref=f"{task.pk}-9", api_key="dev-vendor-key")
+    assert billing_reconcile()["duplicates_reported"] == 1
+    incident = DuplicateIncident.objects.get(task=task)
+    assert incident.kept_job_id == first.job_id and incident.duplicate_job_ids == [extra["id"]]
+    assert set(LedgerEntry.objects.filter(task=task).values_list("job_id", flat=True)) == {first.job_id, extra["id"]}
+
+
 # --- a vendor that forgets its jobs ---------------------------------------------------------------------
 def test_a_vendor_that_forgets_a_running_job_gets_the_operation_again_and_the_task_ends(inline_queue, api):
     primary_only()
