@@ -90,7 +90,12 @@ class FileVersion(models.Model):
     deleted_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["tenant", "sha256"])]
+        indexes = [
+            models.Index(fields=["tenant", "sha256"]),
+            # Retention's sweep: a tenant's files still kept, oldest first (not every file ever uploaded).
+            models.Index(fields=["tenant", "created_at"], condition=models.Q(deleted_at__isnull=True),
+                         name="fileversion_kept"),
+        ]
 
     def __str__(self) -> str:
         return f"file {self.id}"

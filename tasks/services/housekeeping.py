@@ -75,10 +75,10 @@ def expire_originals() -> int:
     task on them finished); the record stays, with its digest, so history still reads."""
     removed = 0
     now = timezone.now()
-    candidates = FileVersion.objects.filter(deleted_at__isnull=True).select_related("tenant")
-    for file in candidates.iterator():
-        if file.created_at >= now - timescale.delta(file.tenant.file_retention_days * 86400):
-            continue
+    candidates = (file for tenant in Tenant.objects.all() for file in FileVersion.objects.filter(
+        tenant=tenant, deleted_at__isnull=True, created_at__lt=now - timescale.delta(tenant.file_retention_days * 86400),
+    ).iterator())
+    for file in candidates:
         if Task.objects.filter(file=file).exclude(state__in=TERMINAL_STATES).exists():
             continue
         if Quarantine.objects.filter(file=file, released_at__isnull=True, purged_at__isnull=True).exists():

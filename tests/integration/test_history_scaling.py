@@ -44,8 +44,6 @@ SWEEPS_THAT_SCAN = {
     # Orphan results: what the store holds, against every path a task still names.
     'SELECT "tasks_task"."result_path" AS "result_path" FROM "tasks_task" WHERE NOT':
         "orphan results are found against every stored result's path",
-    # Retention: each file's tenant decides how long it is kept.
-    'SELECT "tasks_fileversion"."id", "tasks_fileversion"."tenant_id"': "originals past their tenant's retention",
     'SELECT "tasks_quarantine"."id", "tasks_quarantine"."tenant_id"': "quarantine entries past retention or poison",
 }
 
