@@ -209,6 +209,10 @@ def task_of_client_ref(client_ref: str) -> Task | None:
 
 
 LEDGER_CHECK_BATCH = 2000
+# An entry no job and no client_ref of ours names is matched again in every check for this long
+# (Sluice may learn its job later: a create answered after the sync read the bill, a job adopted
+# by reconciliation), then taken as not ours and no longer read.
+LEDGER_MATCH_WINDOW_S = 7 * 86400
 
 
 def duplicates_from_ledger() -> int:
@@ -217,11 +221,13 @@ def duplicates_from_ledger() -> int:
     they bill (by their job, else by their client_ref), and each task they bill is looked at with
     all its entries (a task is billed twice only when a second entry for it arrives). Returns how
     many incidents were opened or grew."""
-    reported = 0
+    reported, after = 0, 0
+    give_up_before = timezone.now() - timescale.delta(LEDGER_MATCH_WINDOW_S)
     while True:
-        fresh = list(LedgerEntry.objects.filter(checked_at__isnull=True).order_by("id")[:LEDGER_CHECK_BATCH])
+        fresh = list(LedgerEntry.objects.filter(checked_at__isnull=True, pk__gt=after).order_by("id")[:LEDGER_CHECK_BATCH])
         if not fresh:
             return reported
+        after = fresh[-1].pk
         jobs = _jobs_billed(fresh)
         by_task: dict[Any, list[int]] = defaultdict(list)
         for entry in fresh:
@@ -229,13 +235,15 @@ def duplicates_from_ledger() -> int:
             if task_id is None and entry.client_ref:
                 task = task_of_client_ref(entry.client_ref)
                 task_id = task.pk if task else None
-            by_task[task_id].append(entry.pk)
+            if task_id is not None or entry.synced_at < give_up_before:
+                by_task[task_id].append(entry.pk)
         for task_id, entry_ids in by_task.items():
             LedgerEntry.objects.filter(pk__in=entry_ids).update(task_id=task_id)
         for task_id in by_task.keys() - {None}:
             reported += _ledger_report(task_id)
         # Matched only once reported: a check cut off in between matches them again next time.
-        LedgerEntry.objects.filter(pk__in=[entry.pk for entry in fresh]).update(checked_at=timezone.now())
+        # The entries not matched yet stay unchecked, for the next check.
+        LedgerEntry.objects.filter(pk__in=[pk for ids in by_task.values() for pk in ids]).update(checked_at=timezone.now())
 
 
 def _jobs_billed(entries: list[LedgerEntry]) -> dict[tuple[str, str], Any]:

@@ -154,6 +154,54 @@ def test_the_ledger_check_reads_only_new_entries_and_still_sees_a_bill_that_arri
     assert set(LedgerEntry.objects.filter(task=task).values_list("job_id", flat=True)) == {first.job_id, extra["id"]}
 
 
+
+def test_a_bill_the_ledger_check_could_not_match_yet_is_matched_when_sluice_learns_its_job(vendor, api):
+    """A ledger entry read before Sluice recorded its job (a create whose answer came back after the
+    sync, a job adopted by reconciliation) names no task yet: it is matched again in later checks,
+    so the task's second bill is still reported with it."""
+    from tasks.models import LedgerEntry
+    from tasks.services.billing import billing_reconcile
+    from tasks.services.execution.jobs import record_job
+    from tasks.vendors.protocol import JobView
+
+    primary_only()
+    task = Task.objects.get(pk=submit_file(api))  # no worker runs it: its jobs are the ones below
+    channel = VendorChannel.objects.get(name="primary")
+    first = vendor.control.create_job(channel="primary", client_ref="", api_key="dev-vendor-key")
+    assert billing_reconcile()["duplicates_reported"] == 0
+    unmatched = LedgerEntry.objects.get(job_id=first["id"])
+    assert unmatched.task_id is None and unmatched.checked_at is None  # nothing names its task yet: read again
+    record_job(task, channel, JobView(id=first["id"], status="queued", client_ref=""), adopted=True)
+    assert not DuplicateIncident.objects.filter(task=task).exists()
+    second = vendor.control.create_job(channel="primary", client_ref=f"{task.pk}-9", api_key="dev-vendor-key")
+    assert billing_reconcile()["duplicates_reported"] == 1
+    incident = DuplicateIncident.objects.get(task=task)
+    assert {incident.kept_job_id, *incident.duplicate_job_ids} == {first["id"], second["id"]}
+    assert set(LedgerEntry.objects.filter(task=task).values_list("job_id", flat=True)) == {first["id"], second["id"]}
+
+
+def test_a_bill_nothing_of_sluice_names_for_a_week_is_no_longer_read(vendor, api):
+    """An entry that no job and no client_ref of ours names (another client's use of the account)
+    is matched again for a week, then set aside: the checks do not read it for ever."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks import timescale
+    from tasks.models import LedgerEntry
+    from tasks.services.billing import LEDGER_MATCH_WINDOW_S, billing_reconcile, duplicates_from_ledger
+
+    primary_only()
+    job = vendor.control.create_job(channel="primary", client_ref="someone-else", api_key="dev-vendor-key")
+    billing_reconcile()
+    duplicates_from_ledger()
+    assert LedgerEntry.objects.get(job_id=job["id"]).checked_at is None
+    LedgerEntry.objects.filter(job_id=job["id"]).update(
+        synced_at=timezone.now() - timescale.delta(LEDGER_MATCH_WINDOW_S) - timedelta(seconds=1))
+    assert duplicates_from_ledger() == 0
+    set_aside = LedgerEntry.objects.get(job_id=job["id"])
+    assert set_aside.checked_at is not None and set_aside.task_id is None
+
 # --- a vendor that forgets its jobs ---------------------------------------------------------------------
 def test_a_vendor_that_forgets_a_running_job_gets_the_operation_again_and_the_task_ends(inline_queue, api):
     primary_only()
