@@ -55,7 +55,7 @@ def seed_finished_tasks(template: Task, count: int) -> int:
     numbers = f"WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {int(count)})"
     task_id = _new_id("n.i")
     copies = [
-        (Task, {"id": task_id, "idempotency_key": "NULL", "vendor_client_ref": f"'history-' || n.i"}, "id"),
+        (Task, {"id": task_id, "idempotency_key": "NULL", "vendor_client_ref": "'history-' || n.i"}, "id"),
         (TaskEvent, {"task_id": task_id}, "task_id"),
         (Attempt, {"task_id": task_id}, "task_id"),
         (BudgetSlot, {"task_id": task_id}, "task_id"),
