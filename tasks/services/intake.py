@@ -519,16 +519,19 @@ class Routed:
     task: Task | None = None
 
 
-def task_precheck_and_route(task_id: Any, generation: int, *, worker_lane: str | None = None) -> str:
-    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
-    workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
-    itself if it is admitted into that lane at once ("queued_here": no start message was sent)."""
-    return task_precheck_and_route_here(task_id, generation, worker_lane=worker_lane).outcome
+def task_precheck_and_route(task_id: Any, generation: int) -> str:
+    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined), its start sent when it is admitted.
+    A worker that runs the lane's steps itself uses task_precheck_and_route_here: a task admitted
+    there is claimed for it in the same move, and only the worker holding it may carry it on."""
+    return task_precheck_and_route_here(task_id, generation).outcome
 
 
 def task_precheck_and_route_here(task_id: Any, generation: int, *, worker_lane: str | None = None) -> Routed:
-    """task_precheck_and_route, with the task as the move wrote it when it was admitted into
-    `worker_lane` as it arrived (the worker starts it without reading it again)."""
+    """ACCEPTED → QUEUED in its lane (or FAILED, quarantined). Runs on the provisional lane's
+    workers; `worker_lane` is the lane whose cluster runs this worker, which starts the task
+    itself if it is admitted into that lane at once ("queued_here": no start message was sent),
+    with the task as the move wrote it when it was admitted and claimed for it as it arrived
+    (the worker starts it without reading it again)."""
     task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=("file", "lane", "tenant"),
                             extra={"has_entries": content_has_entries()})), None)
     if task is None or task.state != State.ACCEPTED or task.generation != generation:
