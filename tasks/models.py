@@ -669,12 +669,14 @@ class LedgerEntry(models.Model):
     # The task the entry bills (found by its job, else by its client_ref) and when the ledger
     # check matched it: each check reads the entries not matched yet, and the entries of the
     # tasks they bill, never the whole ledger.
-    task = models.ForeignKey("Task", on_delete=models.SET_NULL, null=True, blank=True, related_name="ledger_entries")
+    task = models.ForeignKey("Task", on_delete=models.SET_NULL, null=True, blank=True, related_name="ledger_entries",
+                             db_index=False)
     checked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["channel", "entry_id"], name="ledger_entry_unique")]
-        indexes = [models.Index(fields=["id"], condition=models.Q(checked_at__isnull=True), name="ledger_entry_unchecked")]
+        indexes = [models.Index(fields=["id"], condition=models.Q(checked_at__isnull=True), name="ledger_entry_unchecked"),
+                   models.Index(fields=["task"], name="ledger_entry_task")]
 
 
 class Quarantine(models.Model):

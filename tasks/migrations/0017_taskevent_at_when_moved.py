@@ -5,15 +5,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    # The default is Django's, not the database's: nothing to change in the table (SQLite would
+    # rebuild the whole history to alter the column).
 
     dependencies = [
         ('tasks', '0016_task_counts'),
     ]
 
     operations = [
-        migrations.AlterField(
-            model_name='taskevent',
-            name='at',
-            field=models.DateTimeField(db_index=True, default=django.utils.timezone.now),
-        ),
+        migrations.SeparateDatabaseAndState(state_operations=[
+            migrations.AlterField(
+                model_name='taskevent',
+                name='at',
+                field=models.DateTimeField(db_index=True, default=django.utils.timezone.now),
+            ),
+        ]),
     ]

@@ -2,20 +2,25 @@
 
 from django.db import migrations, models
 
+from tasks.online_schema import AddIndexOnline, RemoveIndexOnline
+
 
 class Migration(migrations.Migration):
+    # Indexes on busy tables: built concurrently on PostgreSQL (tasks/online_schema.py).
+    atomic = False
 
     dependencies = [
         ('tasks', '0017_taskevent_at_when_moved'),
     ]
 
     operations = [
-        migrations.RemoveIndex(
-            model_name='budgetslot',
-            name='tasks_budge_channel_125f3d_idx',
-        ),
-        migrations.AddIndex(
+        # The new index first: admission's read of the open slots always has one.
+        AddIndexOnline(
             model_name='budgetslot',
             index=models.Index(fields=['channel', 'released_at', 'kind'], name='budgetslot_channel_open'),
+        ),
+        RemoveIndexOnline(
+            model_name='budgetslot',
+            name='tasks_budge_channel_125f3d_idx',
         ),
     ]

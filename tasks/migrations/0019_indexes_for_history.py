@@ -2,23 +2,27 @@
 
 from django.db import migrations, models
 
+from tasks.online_schema import AddIndexOnline
+
 
 class Migration(migrations.Migration):
+    # Indexes on busy tables: built concurrently on PostgreSQL (tasks/online_schema.py).
+    atomic = False
 
     dependencies = [
         ('tasks', '0018_budgetslot_open_by_index'),
     ]
 
     operations = [
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='idempotencyrecord',
             index=models.Index(fields=['created_at'], name='idempotency_record_created'),
         ),
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='task',
             index=models.Index(fields=['started_at'], name='task_started_at'),
         ),
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='vendorjob',
             index=models.Index(condition=models.Q(('terminal_at__isnull', True)), fields=['task'], name='vendorjob_live'),
         ),

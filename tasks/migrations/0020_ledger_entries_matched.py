@@ -3,8 +3,14 @@
 import django.db.models.deletion
 from django.db import migrations, models
 
+from tasks.online_schema import AddIndexOnline
+
 
 class Migration(migrations.Migration):
+    # Each statement commits on its own: the foreign key's constraint holds its lock on the tasks
+    # table for its own statement only, not while the ledger's indexes are built (the partial one
+    # concurrently on PostgreSQL: tasks/online_schema.py).
+    atomic = False
 
     dependencies = [
         ('tasks', '0019_indexes_for_history'),
@@ -19,10 +25,14 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='ledgerentry',
             name='task',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='ledger_entries', to='tasks.task'),
+            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='ledger_entries', to='tasks.task', db_index=False),
         ),
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='ledgerentry',
             index=models.Index(condition=models.Q(('checked_at__isnull', True)), fields=['id'], name='ledger_entry_unchecked'),
+        ),
+        AddIndexOnline(
+            model_name='ledgerentry',
+            index=models.Index(fields=['task'], name='ledger_entry_task'),
         ),
     ]

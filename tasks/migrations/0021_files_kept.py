@@ -2,15 +2,19 @@
 
 from django.db import migrations, models
 
+from tasks.online_schema import AddIndexOnline
+
 
 class Migration(migrations.Migration):
+    # Indexes on busy tables: built concurrently on PostgreSQL (tasks/online_schema.py).
+    atomic = False
 
     dependencies = [
         ('tasks', '0020_ledger_entries_matched'),
     ]
 
     operations = [
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='fileversion',
             index=models.Index(condition=models.Q(('deleted_at__isnull', True)), fields=['tenant', 'created_at'], name='fileversion_kept'),
         ),

@@ -1,0 +1,44 @@
+"""Migrations keep the system writing while they run: on PostgreSQL an index added to a table
+that already holds rows is built (and an old one dropped) CONCURRENTLY, since a plain CREATE INDEX
+blocks every write to the table — task moves, admissions, uploads — for the length of the build."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.db.migrations.loader import MigrationLoader
+
+# Migrations before this one were written before the rule (they are applied already everywhere).
+ONLINE_SINCE = "0017"
+
+pytestmark = [
+    pytest.mark.django_db,
+    pytest.mark.skipif(not settings.DATABASE_URL, reason="CONCURRENTLY is PostgreSQL's (run with DATABASE_URL; make test does)"),
+]
+
+
+def _statements(loader: MigrationLoader, key: tuple[str, str]) -> list[str]:
+    migration = loader.disk_migrations[key]
+    state = loader.project_state(key, at_end=False)
+    with connection.schema_editor(collect_sql=True, atomic=False) as editor:
+        migration.apply(state, editor, collect_sql=True)
+    return editor.collected_sql
+
+
+def test_indexes_on_existing_tables_are_built_and_dropped_concurrently_on_postgresql():
+    loader = MigrationLoader(connection)
+    checked = 0
+    for key in sorted(k for k in loader.disk_migrations if k[0] == "tasks" and k[1][:4] >= ONLINE_SINCE):
+        statements = _statements(loader, key)
+        created = {m.group(1) for s in statements if (m := re.match(r'CREATE TABLE "(\w+)"', s))}
+        for sql in statements:
+            index = re.match(r'(CREATE (?:UNIQUE )?INDEX|DROP INDEX)\b(?: CONCURRENTLY)?.*?(?: ON "(\w+)")?', sql)
+            if index is None or (index.group(2) or "") in created:
+                continue
+            checked += 1
+            assert "CONCURRENTLY" in sql, f"{key[1]}: {sql}"
+            assert not loader.disk_migrations[key].atomic, f"{key[1]} builds an index concurrently: atomic = False"
+    assert checked >= 8, "the migrations since the rule add indexes: the check must have read them"
