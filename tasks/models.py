@@ -439,6 +439,9 @@ class Task(models.Model):
             models.Index(fields=["tenant", "-created_at"]),
             # The history's per-minute rollup reads the tasks started in its minutes.
             models.Index(fields=["started_at"], name="task_started_at"),
+            # The results still kept, by tenant and age: the retention sweep's range.
+            models.Index(fields=["tenant", "finished_at"], name="task_result_kept",
+                         condition=models.Q(state="SUCCEEDED") & ~models.Q(result_path="")),
             models.Index(fields=["state", "deadline_at"]),
             models.Index(fields=["vendor_client_ref"]),
         ]
