@@ -156,6 +156,17 @@ class Stack:
             time.sleep(0.1)
         raise RuntimeError(f"{name} did not answer at {url}; see {self.log_dir / (name + '.log')}")
 
+    def wait_logged(self, name: str, text: str, *, timeout: float = 60) -> None:
+        """Until `text` appears in the log of process `name` (e.g. a cluster's "running.")."""
+        path = self.log_dir / f"{name}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in path.read_text(errors="replace"):
+                return
+            self._check_alive(name)
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not log {text!r} within {timeout} s; see {path}")
+
     def _check_alive(self, name: str) -> None:
         managed = self.processes[name]
         if managed.process.poll() is not None:

@@ -27,6 +27,10 @@ def test_an_outage_opens_the_shared_breaker_moves_work_to_the_fallback_and_recov
         # Two separate worker processes of the same lane share one breaker through the database.
         stack.manage("interactive-a", "qcluster", extra_env={"Q_CLUSTER_NAME": "interactive", "SLUICE_LANE_WORKERS": "interactive=1"})
         stack.manage("interactive-b", "qcluster", extra_env={"Q_CLUSTER_NAME": "interactive", "SLUICE_LANE_WORKERS": "interactive=1"})
+        # Both are running before the first task, or on a loaded machine one may take every call
+        # to the primary before the other has started (nothing shared would then be shown).
+        for name in ("interactive-a", "interactive-b"):
+            stack.wait_logged(name, " running.")
         ids = [submit_file(api) for _ in range(8)]
         wait_for(lambda: all(Task.objects.get(pk=i).state == "SUCCEEDED" for i in ids), timeout=90,
                  message="every task to succeed despite the outage")
