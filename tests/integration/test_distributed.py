@@ -54,6 +54,8 @@ def test_budgets_fencing_and_fairness_hold_across_three_worker_processes(vendor,
         stack.manage("batch-a", "qcluster", extra_env={"Q_CLUSTER_NAME": "batch", "SLUICE_LANE_WORKERS": "batch=1"})
         stack.manage("batch-b", "qcluster", extra_env={"Q_CLUSTER_NAME": "batch", "SLUICE_LANE_WORKERS": "batch=1"})
         stack.manage("interactive", "qcluster", extra_env={"Q_CLUSTER_NAME": "interactive", "SLUICE_LANE_WORKERS": "interactive=1"})
+        for name in ("batch-a", "batch-b", "interactive"):
+            stack.wait_logged(name, " running.")
         # The batch lane is held while both tenants submit, so the order of dispatch is fair
         # share's choice and not a race between submission speed and the workers.
         Lane.objects.filter(pk="batch").update(paused=True)
