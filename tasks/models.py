@@ -713,7 +713,13 @@ class Quarantine(models.Model):
     purged_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["tenant", "sha256"])]
+        indexes = [
+            models.Index(fields=["tenant", "sha256"]),
+            # The entries still holding their content, by expiry: what the ten-minute sweeps read
+            # (past retention, poison to re-evaluate), not every entry ever released or purged.
+            models.Index(fields=["expires_at"], name="quarantine_held",
+                         condition=models.Q(released_at__isnull=True, purged_at__isnull=True)),
+        ]
         verbose_name_plural = "quarantine"
 
     def __str__(self) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from datetime import timedelta
+from itertools import islice
 from pathlib import Path
 
 from django.conf import settings
@@ -103,25 +106,44 @@ def purge_dead_letters() -> int:
 def remove_orphan_results(*, older_than_s: float = 3600) -> int:
     """Results no task references (a fenced attempt's late output, one stored by a worker that died
     before it could publish it) are removed once they are an hour old (nominal): in the bucket when
-    there is one, and the local scratch copies under RESULTS_DIR in either mode."""
+    there is one, and the local scratch copies under RESULTS_DIR in either mode. A result's name
+    starts with its task's id, so each batch of old results is checked against its own tasks' rows
+    (by primary key), never against every path the task table names."""
     cutoff = timezone.now().timestamp() - timescale.seconds(older_than_s)
-    referenced = set(Task.objects.exclude(result_path="").values_list("result_path", flat=True))
     removed = 0
     if bucket_storage() is not None:
         try:
-            for relative, modified in stored_results():
-                if relative not in referenced and modified < cutoff:
-                    discard_result(relative)
-                    removed += 1
+            for relative in _unreferenced(name for name, modified in stored_results() if modified < cutoff):
+                discard_result(relative)
+                removed += 1
         except StorageUnavailable:
             pass  # the store did not answer: the next sweep goes on (the other sweeps still run)
     root = Path(settings.RESULTS_DIR)
-    for path in root.glob("*/*") if root.exists() else ():
-        relative = str(path.relative_to(root))
-        if path.is_file() and (bucket_storage() is not None or relative not in referenced) and path.stat().st_mtime < cutoff:
-            path.unlink(missing_ok=True)  # with a bucket, every local result is a scratch copy
-            removed += 1
+    local = (str(path.relative_to(root)) for path in (root.glob("*/*") if root.exists() else ())
+             if path.is_file() and path.stat().st_mtime < cutoff)
+    # With a bucket, every local result is a scratch copy.
+    for relative in (local if bucket_storage() is not None else _unreferenced(local)):
+        (root / relative).unlink(missing_ok=True)
+        removed += 1
     return removed
+
+
+ORPHAN_BATCH = 500
+
+
+def _unreferenced(names: Iterator[str]) -> Iterator[str]:
+    """The results among `names` ("<task id>/<file>") that their task does not name as its result."""
+    for batch in iter(lambda: list(islice(names, ORPHAN_BATCH)), []):
+        ids = {_task_id(name) for name in batch} - {None}
+        named = set(Task.objects.filter(pk__in=ids).exclude(result_path="").values_list("result_path", flat=True))
+        yield from (name for name in batch if name not in named)
+
+
+def _task_id(name: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(name.split("/", 1)[0])
+    except ValueError:
+        return None  # not a task's: no task names it
 
 
 def expire_results() -> int:

@@ -147,10 +147,13 @@ def test_results_past_retention_and_orphaned_outputs_are_swept(inline_queue, api
     orphan = result_file(f"{task.pk}/g99-orphan.out")
     orphan.parent.mkdir(parents=True, exist_ok=True)
     orphan.write_bytes(b"left by a fenced attempt")
+    stray = result_file("not-a-task/g1-stray.out")  # under no task's id: no task can name it
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"stray")
     if bucket_storage() is not None:  # one stored by a worker that died before publishing it
         bucket_storage().save(f"results/{task.pk}/g98-orphan.out", ContentFile(b"never published"))
         assert sorted(name for name, _ in stored_results(task.pk)) == sorted([task.result_path, f"{task.pk}/g98-orphan.out"])
-    assert remove_orphan_results(older_than_s=0) >= 1 and not orphan.exists()
+    assert remove_orphan_results(older_than_s=0) >= 2 and not orphan.exists() and not stray.exists()
     assert [name for name, _ in stored_results(task.pk)] == [task.result_path]
     assert result_exists(task.result_path)
     Task.objects.filter(pk=task.pk).update(finished_at=timezone.now() - timedelta(days=400))
