@@ -157,7 +157,8 @@ class Stack:
         raise RuntimeError(f"{name} did not answer at {url}; see {self.log_dir / (name + '.log')}")
 
     def wait_logged(self, name: str, text: str, *, timeout: float = 60) -> None:
-        """Until `text` appears in the log of process `name` (e.g. a cluster's "running.")."""
+        """Until `text` appears in the log of process `name` (e.g. a cluster's "] running.", logged
+        at INFO: the process must log at that level)."""
         path = self.log_dir / f"{name}.log"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

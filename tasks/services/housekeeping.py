@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from tasks import timescale
@@ -139,10 +140,10 @@ def _unreferenced(names: Iterator[str]) -> Iterator[str]:
         yield from (name for name in batch if name not in named)
 
 
-def _task_id(name: str) -> uuid.UUID | None:
+def _task_id(name: str) -> Any:
     try:
-        return uuid.UUID(name.split("/", 1)[0])
-    except ValueError:
+        return Task._meta.pk.to_python(name.split("/", 1)[0])
+    except ValidationError:
         return None  # not a task's: no task names it
 
 

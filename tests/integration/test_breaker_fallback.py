@@ -20,7 +20,9 @@ def test_an_outage_opens_the_shared_breaker_moves_work_to_the_fallback_and_recov
     )
     outage = vendor.control.add_rule({"endpoint": "* *", "match": {"channel": "primary"}, "type": "http_error",
                                       "params": {"status": 503, "code": "unavailable"}})
-    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
+    # INFO: the test waits for each cluster to log that it is running.
+    env = {"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05", "SLUICE_LOG_LEVEL": "INFO"}
+    stack = Stack(log_dir=tmp_path / "s", env=env)
     try:
         stack.start_dispatcher()
         stack.start_cluster(None)
@@ -30,7 +32,7 @@ def test_an_outage_opens_the_shared_breaker_moves_work_to_the_fallback_and_recov
         # Both are running before the first task, or on a loaded machine one may take every call
         # to the primary before the other has started (nothing shared would then be shown).
         for name in ("interactive-a", "interactive-b"):
-            stack.wait_logged(name, " running.")
+            stack.wait_logged(name, "] running.")
         ids = [submit_file(api) for _ in range(8)]
         wait_for(lambda: all(Task.objects.get(pk=i).state == "SUCCEEDED" for i in ids), timeout=90,
                  message="every task to succeed despite the outage")

@@ -137,25 +137,30 @@ def test_an_expiring_signed_link_downloads_the_result_and_a_tampered_one_does_no
     assert client.get(link["url"].replace("http://testserver", "")).status_code == 410
 
 
-def test_results_past_retention_and_orphaned_outputs_are_swept(inline_queue, api):
+def test_results_past_retention_and_orphaned_outputs_are_swept(inline_queue, api, monkeypatch):
     from django.core.files.base import ContentFile
 
+    from tasks.services import housekeeping
     from tasks.services.housekeeping import expire_results, remove_orphan_results
     from tasks.storage import bucket_storage, stored_results
 
-    task = run_until(submit_file(api))
-    orphan = result_file(f"{task.pk}/g99-orphan.out")
-    orphan.parent.mkdir(parents=True, exist_ok=True)
-    orphan.write_bytes(b"left by a fenced attempt")
+    # Results are checked against their tasks in batches: one a batch here, so that every kept
+    # result and every orphan falls in a batch of its own.
+    monkeypatch.setattr(housekeeping, "ORPHAN_BATCH", 1)
+    task, other = run_until(submit_file(api)), run_until(submit_file(api))
+    orphans = [result_file(f"{t.pk}/g99-orphan.out") for t in (task, other)]
     stray = result_file("not-a-task/g1-stray.out")  # under no task's id: no task can name it
-    stray.parent.mkdir(parents=True, exist_ok=True)
-    stray.write_bytes(b"stray")
-    if bucket_storage() is not None:  # one stored by a worker that died before publishing it
-        bucket_storage().save(f"results/{task.pk}/g98-orphan.out", ContentFile(b"never published"))
+    for path in (*orphans, stray):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"left by a fenced attempt")
+    if bucket_storage() is not None:  # stored by a worker that died before publishing them
+        for name in (f"{task.pk}/g98-orphan.out", f"{other.pk}/g98-orphan.out", "not-a-task/g1-stray.out"):
+            bucket_storage().save(f"results/{name}", ContentFile(b"never published"))
         assert sorted(name for name, _ in stored_results(task.pk)) == sorted([task.result_path, f"{task.pk}/g98-orphan.out"])
-    assert remove_orphan_results(older_than_s=0) >= 2 and not orphan.exists() and not stray.exists()
-    assert [name for name, _ in stored_results(task.pk)] == [task.result_path]
-    assert result_exists(task.result_path)
+    assert remove_orphan_results(older_than_s=0) >= 3
+    assert not any(path.exists() for path in (*orphans, stray))
+    assert sorted(name for name, _ in stored_results()) == sorted([task.result_path, other.result_path])
+    assert result_exists(task.result_path) and result_exists(other.result_path)
     Task.objects.filter(pk=task.pk).update(finished_at=timezone.now() - timedelta(days=400))
     assert expire_results() == 1
     assert api.get(f"/api/v1/tasks/{task.pk}/result").status_code == 409 or not result_exists(task.result_path)

@@ -46,7 +46,9 @@ def test_budgets_fencing_and_fairness_hold_across_three_worker_processes(vendor,
     flood, trickle, interactive = client_for("flood"), client_for("trickle"), client_for("people")
     TenantQuota.objects.filter(tenant__name="trickle").update(lane_weights={"batch": 1})
 
-    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
+    # INFO: the test waits for each cluster to log that it is running.
+    env = {"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05", "SLUICE_LOG_LEVEL": "INFO"}
+    stack = Stack(log_dir=tmp_path / "s", env=env)
     try:
         stack.start_dispatcher()
         stack.start_cluster(None, workers=1)
@@ -55,7 +57,7 @@ def test_budgets_fencing_and_fairness_hold_across_three_worker_processes(vendor,
         stack.manage("batch-b", "qcluster", extra_env={"Q_CLUSTER_NAME": "batch", "SLUICE_LANE_WORKERS": "batch=1"})
         stack.manage("interactive", "qcluster", extra_env={"Q_CLUSTER_NAME": "interactive", "SLUICE_LANE_WORKERS": "interactive=1"})
         for name in ("batch-a", "batch-b", "interactive"):
-            stack.wait_logged(name, " running.")
+            stack.wait_logged(name, "] running.")
         # The batch lane is held while both tenants submit, so the order of dispatch is fair
         # share's choice and not a race between submission speed and the workers.
         Lane.objects.filter(pk="batch").update(paused=True)
