@@ -168,6 +168,8 @@ CONTROL_WORKERS = env("SLUICE_CONTROL_WORKERS", 2)
 SHUTDOWN_S = env("SLUICE_SHUTDOWN_S", 30.0)
 
 _broker = {"redis": REDIS_URL} if REDIS_URL else {"orm": "default", "broker_class": "tasks.brokers.Orm"}
+# django-q2's own log lines ("Enqueued", "Processed", a cluster's start), apart from Sluice's.
+Q_LOG_LEVEL = env("SLUICE_Q_LOG_LEVEL", "WARNING", cast=one_of("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
 Q_CLUSTER = {
     "name": env("SLUICE_Q_NAME", "sluice-test" if TESTING else "sluice"),
     "workers": CONTROL_WORKERS,
@@ -181,7 +183,7 @@ Q_CLUSTER = {
     "catch_up": False,
     "poll": 0.1,
     "label": "Queue (django-q2)",
-    "log_level": env("SLUICE_Q_LOG_LEVEL", "WARNING"),
+    "log_level": Q_LOG_LEVEL,
     **_broker,
     "ALT_CLUSTERS": {
         lane: {
@@ -306,7 +308,9 @@ LOGGING = {
         "level": env("SLUICE_LOG_LEVEL", "INFO"),
     },
     "loggers": {
-        "django_q": {"level": "WARNING"},
+        # django-q2 sets its logger's level itself only when no handler would take its lines;
+        # ours do (the root's), so its level is set here.
+        "django-q": {"level": Q_LOG_LEVEL},
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
     },

@@ -158,7 +158,7 @@ class Stack:
 
     def wait_logged(self, name: str, text: str, *, timeout: float = 60) -> None:
         """Until `text` appears in the log of process `name` (e.g. a cluster's "] running.", logged
-        at INFO: the process must log at that level)."""
+        by django-q2 at INFO: the process needs SLUICE_Q_LOG_LEVEL=INFO)."""
         path = self.log_dir / f"{name}.log"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -21,7 +21,7 @@ def test_an_outage_opens_the_shared_breaker_moves_work_to_the_fallback_and_recov
     outage = vendor.control.add_rule({"endpoint": "* *", "match": {"channel": "primary"}, "type": "http_error",
                                       "params": {"status": 503, "code": "unavailable"}})
     # INFO: the test waits for each cluster to log that it is running.
-    env = {"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05", "SLUICE_LOG_LEVEL": "INFO"}
+    env = {"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05", "SLUICE_Q_LOG_LEVEL": "INFO"}
     stack = Stack(log_dir=tmp_path / "s", env=env)
     try:
         stack.start_dispatcher()

@@ -47,7 +47,7 @@ def test_budgets_fencing_and_fairness_hold_across_three_worker_processes(vendor,
     TenantQuota.objects.filter(tenant__name="trickle").update(lane_weights={"batch": 1})
 
     # INFO: the test waits for each cluster to log that it is running.
-    env = {"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05", "SLUICE_LOG_LEVEL": "INFO"}
+    env = {"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05", "SLUICE_Q_LOG_LEVEL": "INFO"}
     stack = Stack(log_dir=tmp_path / "s", env=env)
     try:
         stack.start_dispatcher()
