@@ -241,6 +241,42 @@ def test_channel_budgets_hold_across_worker_processes(vendor, api, tmp_path):
     assert seen["billed_jobs"] == 14 and seen["duplicate_billed_client_refs"] == []
 
 
+@pytest.mark.parametrize("limit", ["tenant", "lane"])
+def test_running_limits_hold_while_workers_admit_tasks_as_they_arrive(vendor, api, tenant, tmp_path, limit):
+    """Each task has its own file, so each is admitted by the worker that pre-checked it, as it
+    arrives, racing the other workers' arrivals and the dispatcher's passes: a tenant's running
+    quota (counted across its lanes) and a lane's running limit hold exactly all the same, as the
+    vendor saw its jobs overlap."""
+    from tasks.system import Stack
+    from tests.conftest import TEST_TIME_SCALE
+
+    VendorChannel.objects.filter(name="primary").update(max_inflight_jobs=20, max_concurrent_uploads=10,
+                                                        reserved_for_interactive=0)
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    if limit == "tenant":
+        quota_set(tenant, max_running=2)
+        Lane.objects.filter(pk__in=["interactive", "batch"]).update(max_running=50)
+    else:
+        Lane.objects.filter(pk="interactive").update(max_running=2)
+    vendor.control.channel("primary", processing_ms=10_000)  # half a second at the tests' time scale
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
+    try:
+        stack.start_dispatcher()
+        stack.start_cluster(None)
+        stack.start_cluster("interactive", workers=3)
+        stack.start_cluster("batch", workers=3)
+        priorities = ["interactive", "batch"] if limit == "tenant" else ["interactive"]
+        ids = [submit_file(api, files.with_marker(files.wav(1), f"arrival-{i}".encode()),
+                           priority=priorities[i % len(priorities)]) for i in range(10)]
+        wait_for(lambda: Task.objects.filter(pk__in=ids, state="SUCCEEDED").count() == 10, timeout=120,
+                 message="all tasks to succeed")
+    finally:
+        stack.stop_all()
+    seen = vendor.control.invariants()
+    assert seen["max_concurrent_jobs_by_channel"]["primary"] == 2, seen["max_concurrent_jobs_by_channel"]
+    assert seen["billed_jobs"] == 10 and seen["duplicate_billed_client_refs"] == []
+
+
 def test_a_task_another_pass_admitted_during_its_pre_check_starts_on_the_pre_checks_worker(vendor, api, monkeypatch):
     """The pre-check runs on the lane's own cluster and starts the task it admits itself. When
     another pass (the dispatcher, another worker) admits it first, its start message is queued on
