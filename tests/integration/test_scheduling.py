@@ -250,12 +250,9 @@ def test_running_limits_hold_while_workers_admit_tasks_as_they_arrive(vendor, ap
     from tasks.system import Stack
     from tests.conftest import TEST_TIME_SCALE
 
-    VendorChannel.objects.filter(name="primary").update(max_inflight_jobs=20, max_concurrent_uploads=10,
-                                                        reserved_for_interactive=0)
-    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    # The channels' budgets, reserves and the other lane limits stay as shipped (wider than 2).
     if limit == "tenant":
         quota_set(tenant, max_running=2)
-        Lane.objects.filter(pk__in=["interactive", "batch"]).update(max_running=50)
     else:
         Lane.objects.filter(pk="interactive").update(max_running=2)
     vendor.control.channel("primary", processing_ms=10_000)  # half a second at the tests' time scale
@@ -273,7 +270,7 @@ def test_running_limits_hold_while_workers_admit_tasks_as_they_arrive(vendor, ap
     finally:
         stack.stop_all()
     seen = vendor.control.invariants()
-    assert seen["max_concurrent_jobs_by_channel"]["primary"] == 2, seen["max_concurrent_jobs_by_channel"]
+    assert seen["max_concurrent_jobs"] == 2, seen["max_concurrent_jobs_by_channel"]
     assert seen["billed_jobs"] == 10 and seen["duplicate_billed_client_refs"] == []
 
 
