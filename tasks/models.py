@@ -343,13 +343,15 @@ class Task(models.Model):
         FETCH = "fetch"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="tasks")
+    # Indexes cost every insert and every move: the tenant's and lane's are the first columns of
+    # the composite indexes below, the channel's and job's only index the tasks that have one.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="tasks", db_index=False)
     file = models.ForeignKey(FileVersion, on_delete=models.PROTECT, related_name="tasks")
     kind = models.CharField(max_length=16, choices=Kind.choices)
     target_format = models.CharField(max_length=16)
     params = models.JSONField(default=dict, blank=True)
     priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.BATCH)
-    lane = models.ForeignKey(Lane, on_delete=models.PROTECT, related_name="tasks", null=True, blank=True)
+    lane = models.ForeignKey(Lane, on_delete=models.PROTECT, related_name="tasks", null=True, blank=True, db_index=False)
     callback_url = models.URLField(blank=True)
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)
 
@@ -383,21 +385,22 @@ class Task(models.Model):
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
 
     # Vendor side of the current operation. The key is persisted before the first send.
-    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT, null=True, blank=True, related_name="tasks")
+    channel = models.ForeignKey(VendorChannel, on_delete=models.PROTECT, null=True, blank=True, related_name="tasks",
+                                db_index=False)
     vendor_op_seq = models.PositiveIntegerField(default=0)
     vendor_client_ref = models.CharField(max_length=100, blank=True)
     vendor_idempotency_key = models.CharField(max_length=255, blank=True)
     upload_id = models.CharField(max_length=100, blank=True)
     upload_expires_at = models.DateTimeField(null=True, blank=True)
     vendor_job = models.ForeignKey(
-        "VendorJob", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+        "VendorJob", on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_index=False
     )
     channel_attempts = models.PositiveIntegerField(default=0)
     abandoned_channels = models.JSONField(default=list, blank=True)
     reconcile_rounds = models.PositiveIntegerField(default=0, help_text="Reconciliation tries without an answer.")
     fetch_attempts = models.PositiveIntegerField(default=0, help_text="Failed downloads of the current result.")
     billing_audit_due_at = models.DateTimeField(
-        null=True, blank=True, db_index=True,
+        null=True, blank=True,
         help_text="The vendor is asked again then for every job of the operation: a duplicate audit that could "
                   "not list them, or the follow-up after an ambiguous create (a create the vendor runs late).",
     )
@@ -432,18 +435,24 @@ class Task(models.Model):
         ]
         indexes = [
             models.Index(fields=["state", "due_at"]),
-            models.Index(fields=["state", "lease_expires_at"]),
+            models.Index(fields=["state", "lease_expires_at"], name="task_lease_held",
+                         condition=Q(lease_expires_at__isnull=False)),
             # Also the oldest waiting task of a lane, found at the start of its range.
             models.Index(fields=["lane", "state", "dispatched_at", "created_at"], name="task_lane_state_oldest"),
             models.Index(fields=["tenant", "state"]),
             models.Index(fields=["tenant", "-created_at"]),
             # The history's per-minute rollup reads the tasks started in its minutes.
-            models.Index(fields=["started_at"], name="task_started_at"),
+            models.Index(fields=["started_at"], name="task_started", condition=Q(started_at__isnull=False)),
             # The results still kept, by tenant and age: the retention sweep's range.
             models.Index(fields=["tenant", "finished_at"], name="task_result_kept",
                          condition=models.Q(state="SUCCEEDED") & ~models.Q(result_path="")),
             models.Index(fields=["state", "deadline_at"]),
             models.Index(fields=["vendor_client_ref"]),
+            # Indexes that hold only the tasks they are looked up by: none of them at intake.
+            models.Index(fields=["channel"], name="task_channel", condition=Q(channel__isnull=False)),
+            models.Index(fields=["vendor_job"], name="task_vendor_job", condition=Q(vendor_job__isnull=False)),
+            models.Index(fields=["billing_audit_due_at"], name="task_billing_audit_due",
+                         condition=Q(billing_audit_due_at__isnull=False)),
         ]
 
     def __str__(self) -> str:
@@ -536,7 +545,7 @@ class TaskEvent(models.Model):
 class IdempotencyRecord(models.Model):
     """An intake Idempotency-Key, held while the first request is being accepted."""
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)  # the unique (tenant, key) leads with it
     key = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64)
     task = models.ForeignKey(Task, on_delete=models.CASCADE, null=True, blank=True)

@@ -49,3 +49,37 @@ class RemoveIndexOnline(migrations.RemoveIndex):
             index = to_state.models[app_label, self.model_name_lower].get_index_by_name(self.name)
             schema_editor.add_index(model, index, concurrently=True)
         return None
+
+
+class DropFieldIndex(migrations.AlterField):
+    """A field that had its own index (a foreign key's, `db_index=True`) no longer has one: only
+    that index is dropped, CONCURRENTLY on PostgreSQL. (Django's AlterField would rebuild the
+    whole table on SQLite, and with it drop the triggers that keep the task counters.)"""
+
+    def database_forwards(self, app_label, schema_editor, from_state, to_state):
+        model = from_state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            concurrently = " CONCURRENTLY" if _online(schema_editor) else ""
+            # PostgreSQL also gave a text key's field a second index, for LIKE: both go.
+            for suffix in ("", "_like") if _online(schema_editor) else ("",):
+                name = _field_index_name(schema_editor, model, self.name, suffix)
+                schema_editor.execute(f"DROP INDEX{concurrently} IF EXISTS {schema_editor.quote_name(name)}")
+
+    def database_backwards(self, app_label, schema_editor, from_state, to_state):
+        model = to_state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            field = model._meta.get_field(self.name)
+            concurrently = " CONCURRENTLY" if _online(schema_editor) else ""
+            name = _field_index_name(schema_editor, model, self.name, "")
+            schema_editor.execute(f"CREATE INDEX{concurrently} {schema_editor.quote_name(name)} ON "
+                                  f"{schema_editor.quote_name(model._meta.db_table)} ({schema_editor.quote_name(field.column)})")
+            like = schema_editor._create_like_index_sql(model, field) if _online(schema_editor) else None
+            if like is not None:
+                schema_editor.execute(str(like).replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY", 1))
+
+
+def _field_index_name(schema_editor, model, field_name: str, suffix: str) -> str:
+    """The name Django gave a field's own index (as `_create_index_sql` and, for LIKE on
+    PostgreSQL, `_create_like_index_sql` name them)."""
+    column = model._meta.get_field(field_name).column
+    return schema_editor._create_index_name(model._meta.db_table, [column], suffix=suffix)
