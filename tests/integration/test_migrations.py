@@ -14,10 +14,7 @@ from django.db.migrations.loader import MigrationLoader
 # Migrations before this one were written before the rule (they are applied already everywhere).
 ONLINE_SINCE = "0017"
 
-pytestmark = [
-    pytest.mark.django_db,
-    pytest.mark.skipif(not settings.DATABASE_URL, reason="CONCURRENTLY is PostgreSQL's (run with DATABASE_URL; make test does)"),
-]
+pytestmark = pytest.mark.django_db
 
 
 def _statements(loader: MigrationLoader, key: tuple[str, str]) -> list[str]:
@@ -28,6 +25,7 @@ def _statements(loader: MigrationLoader, key: tuple[str, str]) -> list[str]:
     return editor.collected_sql
 
 
+@pytest.mark.skipif(not settings.DATABASE_URL, reason="CONCURRENTLY is PostgreSQL's (run with DATABASE_URL; make test does)")
 def test_indexes_on_existing_tables_are_built_and_dropped_concurrently_on_postgresql():
     loader = MigrationLoader(connection)
     checked = 0
@@ -42,3 +40,25 @@ def test_indexes_on_existing_tables_are_built_and_dropped_concurrently_on_postgr
             assert "CONCURRENTLY" in sql, f"{key[1]}: {sql}"
             assert not loader.disk_migrations[key].atomic, f"{key[1]} builds an index concurrently: atomic = False"
     assert checked >= 8, "the migrations since the rule add indexes: the check must have read them"
+
+
+@pytest.mark.django_db(transaction=True)  # SQLite's schema editor cannot open inside a test's transaction
+def test_dropping_a_fields_own_index_drops_only_that_index():
+    """Migration 0024 takes the task table's tenant, lane, channel and vendor job indexes away.
+    Django's AlterField would rebuild the whole table on SQLite (copy, drop, rename), and
+    dropping the table drops the triggers that keep the lane and tenant counters: only DROP INDEX
+    statements may run, on either database."""
+    loader = MigrationLoader(connection)
+    statements = _statements(loader, ("tasks", "0024_lean_task_indexes"))
+    dropped = [sql for sql in statements if sql.startswith("DROP INDEX")]
+    assert len(dropped) >= 8, statements  # the five field indexes and the three replaced
+    assert not [sql for sql in statements if re.search(r"\b(TABLE|TRIGGER)\b", sql)], statements
+    # And the database the suite migrated has them (tasks/counters.py).
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT tgname FROM pg_trigger WHERE tgrelid = 'tasks_task'::regclass AND NOT tgisinternal")
+            expected = {"task_counts"}
+        else:
+            cursor.execute("SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'tasks_task'")
+            expected = {"task_counts_insert", "task_counts_update", "task_counts_delete"}
+        assert expected <= {row[0] for row in cursor.fetchall()}
