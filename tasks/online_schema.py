@@ -54,11 +54,14 @@ class RemoveIndexOnline(migrations.RemoveIndex):
 class DropFieldIndex(migrations.AlterField):
     """A field that had its own index (a foreign key's, `db_index=True`) no longer has one: only
     that index is dropped, CONCURRENTLY on PostgreSQL. (Django's AlterField would rebuild the
-    whole table on SQLite, and with it drop the triggers that keep the task counters.)"""
+    whole table on SQLite, and with it drop the triggers that keep the task counters.) Any other
+    change to the field would be lost in the database, so it is refused."""
 
     def database_forwards(self, app_label, schema_editor, from_state, to_state):
         model = from_state.apps.get_model(app_label, self.model_name)
         if self.allow_migrate_model(schema_editor.connection.alias, model):
+            _only_the_index_changes(model._meta.get_field(self.name),
+                                    to_state.apps.get_model(app_label, self.model_name)._meta.get_field(self.name))
             concurrently = " CONCURRENTLY" if _online(schema_editor) else ""
             # PostgreSQL also gave a text key's field a second index, for LIKE: both go.
             for suffix in ("", "_like") if _online(schema_editor) else ("",):
@@ -71,11 +74,11 @@ class DropFieldIndex(migrations.AlterField):
             field = model._meta.get_field(self.name)
             concurrently = " CONCURRENTLY" if _online(schema_editor) else ""
             name = _field_index_name(schema_editor, model, self.name, "")
-            schema_editor.execute(f"CREATE INDEX{concurrently} {schema_editor.quote_name(name)} ON "
+            schema_editor.execute(f"CREATE INDEX{concurrently} IF NOT EXISTS {schema_editor.quote_name(name)} ON "
                                   f"{schema_editor.quote_name(model._meta.db_table)} ({schema_editor.quote_name(field.column)})")
             like = schema_editor._create_like_index_sql(model, field) if _online(schema_editor) else None
             if like is not None:
-                schema_editor.execute(str(like).replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY", 1))
+                schema_editor.execute(str(like).replace("CREATE INDEX ", "CREATE INDEX CONCURRENTLY IF NOT EXISTS ", 1))
 
 
 def _field_index_name(schema_editor, model, field_name: str, suffix: str) -> str:
@@ -83,3 +86,13 @@ def _field_index_name(schema_editor, model, field_name: str, suffix: str) -> str
     PostgreSQL, `_create_like_index_sql` name them)."""
     column = model._meta.get_field(field_name).column
     return schema_editor._create_index_name(model._meta.db_table, [column], suffix=suffix)
+
+
+def _only_the_index_changes(old, new) -> None:
+    def described(field) -> tuple:
+        _, path, args, kwargs = field.deconstruct()
+        kwargs.pop("db_index", None)
+        return path, args, kwargs
+
+    if described(old) != described(new) or not old.db_index or new.db_index:
+        raise ValueError(f"DropFieldIndex only takes {old.name}'s own index away; use AlterField for other changes")
