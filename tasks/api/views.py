@@ -224,7 +224,11 @@ def file_detail(request: HttpRequest, file_id: str = Path(..., max_length=100)):
           response={202: schemas.Accepted, **_problems(400, 404, 409, 413, 422, 429, 503)},
           exclude_none=True)
 def task_submit_view(request: HttpRequest, response: HttpResponse, body: schemas.Submission = Body(...),
-                     idempotency_key: str | None = Header(None, alias="Idempotency-Key", min_length=1, max_length=255)):
+                     idempotency_key: str | None = Header(
+                         None, alias="Idempotency-Key", min_length=1, max_length=255,
+                         description="Makes the submission safe to retry: the same key with the same request replays "
+                                     "its task, with another request it is 422, while the first is still being "
+                                     "accepted 409. A key is kept 48 hours; after that it makes a new task.")):
     tenant: Tenant = request.auth
     submitted = task_submit(tenant=tenant, request=body.to_request(), idempotency_key=idempotency_key,
                             actor=f"api tenant {tenant.name}")

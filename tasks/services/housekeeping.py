@@ -10,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.utils import timezone
 
 from tasks import timescale
@@ -167,7 +168,17 @@ def expire_results() -> int:
     return removed
 
 
-def prune_idempotency_keys() -> int:
+def prune_idempotency_keys(*, chunk: int = 1000) -> int:
+    """Keys kept past their time are forgotten everywhere: their records and their tasks' copies
+    (a task's key is unique per tenant, and a copy kept would refuse the key's next use), a
+    chunk at a time, each in one transaction, so that the task rows are locked only briefly."""
     cutoff = timezone.now() - timedelta(seconds=max(timescale.seconds(IDEMPOTENCY_KEEP_S), 24 * 3600))
-    deleted, _ = IdempotencyRecord.objects.filter(created_at__lt=cutoff).delete()
-    return deleted
+    pruned = 0
+    while True:
+        with transaction.atomic():
+            expired = list(IdempotencyRecord.objects.filter(created_at__lt=cutoff).values_list("pk", "task_id")[:chunk])
+            if not expired:
+                return pruned
+            Task.objects.filter(pk__in=[task for _, task in expired if task is not None]).update(idempotency_key=None)
+            IdempotencyRecord.objects.filter(pk__in=[pk for pk, _ in expired]).delete()
+        pruned += len(expired)

@@ -250,6 +250,30 @@ def test_a_key_reserved_by_an_intake_that_never_finished_is_taken_over(api, tena
     assert str(IdempotencyRecord.objects.get(key="order-4").task_id) == answer.json()["id"]
 
 
+@pytest.mark.parametrize("same_request", [True, False], ids=["same", "different"])
+def test_a_key_kept_past_its_time_is_pruned_and_free_for_a_new_task(api, tenant, same_request):
+    """Keys are kept at least 24 hours (48 here): the housekeeping prune forgets an older one
+    everywhere (its record and the old task's copy of it), so the key makes a new task, neither
+    a replay nor a 500 on the old task's unique key."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks.services.housekeeping import prune_idempotency_keys
+
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
+    first = submit(api, body, key="order-7").json()["id"]
+    IdempotencyRecord.objects.filter(key="order-7").update(created_at=timezone.now() - timedelta(hours=49))
+    assert prune_idempotency_keys() == 1
+    again = submit(api, body if same_request else {**body, "target_format": "srt"}, key="order-7")
+    assert again.status_code == 202, again.content
+    assert again.json()["id"] != first and not again.has_header("Idempotent-Replayed")
+    assert Task.objects.count() == 2 and Task.objects.get(pk=first).idempotency_key is None
+    replay = submit(api, body if same_request else {**body, "target_format": "srt"}, key="order-7")
+    assert replay.json()["id"] == again.json()["id"] and replay["Idempotent-Replayed"] == "true"
+
+
 def test_keys_are_per_tenant(api, client):
     other = tenant_ensure(name="globex")
     other_token = token_issue(tenant=other).token

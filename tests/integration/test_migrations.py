@@ -72,3 +72,24 @@ def test_dropping_a_fields_own_index_drops_only_that_index():
             cursor.execute("SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'tasks_task'")
             expected = {"task_counts_insert", "task_counts_update", "task_counts_delete"}
         assert expected <= {row[0] for row in cursor.fetchall()}
+
+
+def test_tasks_keeping_a_pruned_key_forget_it_and_the_others_keep_theirs(api):
+    """Migration 0025: a task whose key's record an earlier prune deleted (leaving the task's
+    copy, which refused the key's next use with a 500) forgets its key; a task whose record is
+    still kept keeps its key."""
+    from importlib import import_module
+    from types import SimpleNamespace
+
+    from django.apps import apps
+
+    from tasks.models import IdempotencyRecord, Task
+    from tests.support.flows import submit_file
+
+    migration = import_module("tasks.migrations.0025_forget_pruned_keys")
+    kept, pruned, keyless = (submit_file(api, key=key) for key in ("kept", "pruned", None))
+    IdempotencyRecord.objects.filter(key="pruned").delete()  # what the prune did before
+    # (What RunPython hands it: the registry and an editor on the connection it migrates.)
+    assert migration.forget_pruned_keys(apps, SimpleNamespace(connection=connection)) == 1
+    assert {str(t.pk): t.idempotency_key for t in Task.objects.all()} == {kept: "kept", pruned: None, keyless: None}
+    assert submit_file(api, key="pruned") != pruned
