@@ -353,7 +353,10 @@ class Task(models.Model):
     priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.BATCH)
     lane = models.ForeignKey(Lane, on_delete=models.PROTECT, related_name="tasks", null=True, blank=True, db_index=False)
     callback_url = models.URLField(blank=True)
+    # The submission's Idempotency-Key and what its request was (a later use of the key with
+    # another request is refused), kept 48 hours from acceptance, then forgotten (housekeeping).
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+    idempotency_fingerprint = models.CharField(max_length=64, null=True, blank=True)
 
     # Lifecycle: written only by tasks.lifecycle.
     state = models.CharField(max_length=20, choices=State.choices, default=State.ACCEPTED)
@@ -453,6 +456,8 @@ class Task(models.Model):
             models.Index(fields=["vendor_job"], name="task_vendor_job", condition=Q(vendor_job__isnull=False)),
             models.Index(fields=["billing_audit_due_at"], name="task_billing_audit_due",
                          condition=Q(billing_audit_due_at__isnull=False)),
+            # The keys kept, by age: the prune's range.
+            models.Index(fields=["created_at"], name="task_idempotency_kept", condition=Q(idempotency_key__isnull=False)),
         ]
 
     def __str__(self) -> str:
@@ -543,7 +548,10 @@ class TaskEvent(models.Model):
 
 
 class IdempotencyRecord(models.Model):
-    """An intake Idempotency-Key, held while the first request is being accepted."""
+    """An intake Idempotency-Key as releases before migration 0026 kept it, beside the task's own
+    copy. Since then the key and its request's fingerprint live on the task alone; these rows are
+    no longer written, only read for a task a process of the previous release accepted while
+    0026 ran (its fingerprint is here), and pruned with the keys. The table goes in a later release."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)  # the unique (tenant, key) leads with it
     key = models.CharField(max_length=255)

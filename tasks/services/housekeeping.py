@@ -10,7 +10,6 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import transaction
 from django.utils import timezone
 
 from tasks import timescale
@@ -169,16 +168,18 @@ def expire_results() -> int:
 
 
 def prune_idempotency_keys(*, chunk: int = 1000) -> int:
-    """Keys kept past their time are forgotten everywhere: their records and their tasks' copies
-    (a task's key is unique per tenant, and a copy kept would refuse the key's next use), a
-    chunk at a time, each in one transaction, so that the task rows are locked only briefly."""
+    """Keys kept past their time are forgotten: a task's key and its request's fingerprint are
+    cleared (the key is unique per tenant: kept, it would refuse the key's next use), a chunk of
+    tasks at a time so that their rows are locked only briefly; and the records the releases
+    before migration 0026 wrote beside them are deleted. Returns the keys forgotten."""
     cutoff = timezone.now() - timedelta(seconds=max(timescale.seconds(IDEMPOTENCY_KEEP_S), 24 * 3600))
     pruned = 0
     while True:
-        with transaction.atomic():
-            expired = list(IdempotencyRecord.objects.filter(created_at__lt=cutoff).values_list("pk", "task_id")[:chunk])
-            if not expired:
-                return pruned
-            Task.objects.filter(pk__in=[task for _, task in expired if task is not None]).update(idempotency_key=None)
-            IdempotencyRecord.objects.filter(pk__in=[pk for pk, _ in expired]).delete()
-        pruned += len(expired)
+        expired = list(Task.objects.filter(idempotency_key__isnull=False, created_at__lt=cutoff)
+                       .values_list("pk", flat=True)[:chunk])
+        if not expired:
+            break
+        pruned += Task.objects.filter(pk__in=expired, idempotency_key__isnull=False).update(
+            idempotency_key=None, idempotency_fingerprint=None)
+    IdempotencyRecord.objects.filter(created_at__lt=cutoff).delete()
+    return pruned

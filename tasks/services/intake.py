@@ -28,7 +28,7 @@ from tasks.errors import (
     SluiceError,
     UnsupportedType,
 )
-from tasks.models import FileVersion, IdempotencyRecord, Lane, Quarantine, Task, TaskEvent, Tenant
+from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_steps_on_commit
@@ -289,16 +289,13 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             if not tentative:
                 locks.hold(*held)
         key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
-        records = {r.key: r for r in select(
-            IdempotencyRecord, f"tenant_id = %s AND \"key\" IN ({', '.join(['%s'] * len(key_taken))})",
-            [("tenant", tenant.pk), *(("key", key) for key in key_taken)], only=("key", "fingerprint", "task"),
-        )} if key_taken else {}
+        used = _tasks_by_key(tenant, list(key_taken))
         now = timezone.now()
 
         def decide(lanes: _Lanes, at) -> _Decided:
             usage = QuotaUsage.read(tenant, quota, now=at) if counts_submissions(quota) else None
             return _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files, key_taken=key_taken,
-                           records=records, quota=quota, usage=usage, lanes=lanes, actor=actor, now=at)
+                           used=used, quota=quota, usage=usage, lanes=lanes, actor=actor, now=at)
 
         decided = None
         if tentative:
@@ -308,7 +305,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
                 locks.hold(*held)
         if decided is not None and decided.accepted:
             written = transaction.savepoint()
-            _write(tenant, decided, records)
+            _write(decided)
             locks.hold(*held)
             if not _Lanes(lane_names).still_open([task for _, task, _ in decided.accepted], now):
                 transaction.savepoint_rollback(written)
@@ -320,7 +317,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             # Taken under the locks, it is taken now: after a long wait for them, the stamp read
             # before would make this request's own tasks look long overdue to its lane's gate.
             decided = decide(_Lanes(lane_names), now if not tentative else timezone.now())
-            _write(tenant, decided, records)
+            _write(decided)
         # Pre-checks run on the workers of the task's provisional lane: a batch flood's
         # pre-checks never queue in front of an interactive task's.
         send_steps_on_commit("precheck", [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted])
@@ -343,7 +340,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
 
 
 def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | None], files: dict,
-            key_taken: dict[str, bool], records: dict, quota: EffectiveQuota, usage: QuotaUsage | None,
+            key_taken: dict[str, bool], used: dict[str, Task], quota: EffectiveQuota, usage: QuotaUsage | None,
             lanes: _Lanes, actor: str, now) -> _Decided:
     """Each item accepted (its unsaved rows), replayed or refused, in the request's order."""
     accepted: list[tuple[_Item, Task, TaskEvent]] = []
@@ -355,15 +352,15 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
                 if not key_taken[item.key]:
                     raise IdempotencyKeyInUse(retry_after=1)
                 earlier = first_with.get(item.key)
-                record = records.get(item.key)
-                fingerprint = earlier.fingerprint if earlier else (record.fingerprint if record else item.fingerprint)
+                holder = used.get(item.key)
+                fingerprint = earlier.fingerprint if earlier else (holder.key_fingerprint if holder else item.fingerprint)
                 if fingerprint != item.fingerprint:
                     raise IdempotencyKeyMismatch()
                 if earlier is not None:
                     replayed[item.index] = earlier
                     continue
-                if record is not None and record.task_id is not None:
-                    replayed[item.index] = record.task_id
+                if holder is not None:
+                    replayed[item.index] = holder.pk
                     first_with[item.key] = item
                     continue
             task, event = _admit_one(tenant=tenant, item=item, file=files[item.index], quota=quota,
@@ -377,23 +374,26 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
     return _Decided(outcomes=outcomes, accepted=accepted, replayed=replayed)
 
 
-def _write(tenant: Tenant, decided: _Decided, records: dict) -> None:
-    """The accepted submissions' rows: tasks, their first history entries, their keys' records."""
+def _write(decided: _Decided) -> None:
+    """The accepted submissions' rows: the tasks (with their keys) and their first history entries."""
     accepted = decided.accepted
     # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
     # the order every other writer uses (tasks/counters.py).
     insert_rows(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
     insert_rows([event for _, _, event in accepted])
-    new_records = []
-    for item, task, _ in accepted:
-        if not item.key:
-            continue
-        record = records.get(item.key)
-        if record is not None:  # a reservation an earlier version left without its task
-            IdempotencyRecord.objects.filter(pk=record.pk).update(task=task, fingerprint=item.fingerprint, locked_at=None)
-        else:
-            new_records.append(IdempotencyRecord(tenant=tenant, key=item.key, fingerprint=item.fingerprint, task=task))
-    insert_rows(new_records)
+
+
+def _tasks_by_key(tenant: Tenant, keys: list[str]) -> dict[str, Task]:
+    """The tasks that already hold these keys, with the fingerprint of the request that made each
+    (`key_fingerprint`; a task a process of the release before migration 0026 accepted has it in
+    the key's record only)."""
+    if not keys:
+        return {}
+    found = select(Task, f"t.tenant_id = %s AND t.idempotency_key IN ({', '.join(['%s'] * len(keys))})",
+                   [("tenant", tenant.pk), *(("idempotency_key", key) for key in keys)], only=("idempotency_key",),
+                   extra={"key_fingerprint": "COALESCE(t.idempotency_fingerprint, (SELECT r.fingerprint FROM "
+                                             "tasks_idempotencyrecord r WHERE r.task_id = t.id))"})
+    return {task.idempotency_key: task for task in found}
 
 
 def _lane_for(file: FileVersion, priority: str) -> str:
@@ -427,7 +427,7 @@ def _admit_one(*, tenant: Tenant, item: _Item, file: FileVersion | None, quota: 
     lane = lanes.lanes[_lane_for(file, request.priority)]
     deferred = _admit(lane, priority=request.priority, lanes=lanes)
     task, event = accepted_rows(tenant=tenant, file=file, request=request, lane=lane, units=units, deferred=deferred,
-                                key=item.key, actor=actor, now=now)
+                                key=item.key, fingerprint=item.fingerprint, actor=actor, now=now)
     lanes.accepted(lane, now)
     if usage is not None:
         usage.add(size=file.size, units=units, now=now)
@@ -435,7 +435,7 @@ def _admit_one(*, tenant: Tenant, item: _Item, file: FileVersion | None, quota: 
 
 
 def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, lane: Lane, units: int | None,
-                  deferred: bool, key: str | None, actor: str, now) -> tuple[Task, TaskEvent]:
+                  deferred: bool, key: str | None, actor: str, now, fingerprint: str | None = None) -> tuple[Task, TaskEvent]:
     """The (unsaved) rows an accepted task starts as: the task in ACCEPTED and its first event."""
     deadline_s = request.deadline_s or DEFAULT_DEADLINE_S
     deadline_at = now + timescale.delta(deadline_s)
@@ -443,6 +443,7 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
     task = Task(
         tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
         priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
+        idempotency_fingerprint=fingerprint if key else None,
         deadline_at=deadline_at, queue_deadline_at=queue_deadline_at,
         dispatch_deadline_at=min(deadline_at, queue_deadline_at),
         estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,

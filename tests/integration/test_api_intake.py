@@ -102,7 +102,9 @@ def test_invalid_submissions_name_what_to_fix_and_store_nothing(api, body, field
     if field:
         assert problem["field"] == field
     assert Task.objects.count() == 0
-    assert not IdempotencyRecord.objects.exists()  # a refusal does not burn the key
+    # A refusal does not burn the key: a valid request with it makes a task.
+    fixed = submit(api, {"file_id": file_id, "kind": "transcription", "target_format": "txt"}, key="k-invalid")
+    assert fixed.status_code == 202 and not fixed.has_header("Idempotent-Replayed")
 
 
 def test_malformed_json_is_a_problem_not_a_500(api):
@@ -231,12 +233,13 @@ def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
         assert [answers[name].status_code for name in ("first", "second")] == [202, 202] and len(ids) == 1
         assert sum(answers[name].has_header("Idempotent-Replayed") for name in ("first", "second")) == 1
     holder.join(10)
-    assert Task.objects.count() == 1 and IdempotencyRecord.objects.get(key="order-3").task_id is not None
+    assert Task.objects.get().idempotency_key == "order-3"
 
 
 def test_a_key_reserved_by_an_intake_that_never_finished_is_taken_over(api, tenant):
     """A reservation without its task (left by an earlier version that reserved keys in a
-    transaction of their own, and crashed) does not block the key for ever."""
+    transaction of their own, and crashed) does not block the key: the key makes a task, which
+    the key then replays."""
     from django.utils import timezone
 
     file_id = upload(api, files.wav()).json()["id"]
@@ -247,7 +250,39 @@ def test_a_key_reserved_by_an_intake_that_never_finished_is_taken_over(api, tena
                                      locked_at=timezone.now())
     answer = submit(api, body, key="order-4")
     assert answer.status_code == 202 and not answer.has_header("Idempotent-Replayed")
-    assert str(IdempotencyRecord.objects.get(key="order-4").task_id) == answer.json()["id"]
+    assert Task.objects.get(pk=answer.json()["id"]).idempotency_key == "order-4"
+    assert submit(api, body, key="order-4")["Idempotent-Replayed"] == "true"
+
+
+def test_a_task_the_previous_release_accepted_keeps_its_fingerprint_in_its_record(api, tenant):
+    """While migration 0026 runs, processes of the release before it still accept tasks: with
+    the key on the task but its request's fingerprint only in the key's record. Its key replays
+    the same request and refuses another, before 0026 copies the fingerprint onto the task and
+    after."""
+    from importlib import import_module
+    from types import SimpleNamespace
+
+    from django.apps import apps
+    from django.db import connection
+
+    from tasks.services.intake import validate_submission
+
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
+    first = submit(api, body, key="order-5").json()["id"]
+    # What the previous release wrote: the task without the fingerprint, the record with it.
+    Task.objects.filter(pk=first).update(idempotency_fingerprint=None)
+    IdempotencyRecord.objects.create(tenant=tenant, key="order-5", fingerprint=validate_submission(body).fingerprint(),
+                                     task_id=first)
+    copy = import_module("tasks.migrations.0026_keys_on_the_task").copy_fingerprints
+    for copied in (False, True):
+        if copied:
+            assert copy(apps, SimpleNamespace(connection=connection)) == 1
+            assert Task.objects.get(pk=first).idempotency_fingerprint == validate_submission(body).fingerprint()
+        assert submit(api, body, key="order-5").json()["id"] == first
+        other = submit(api, {**body, "target_format": "srt"}, key="order-5")
+        assert other.status_code == 422 and other.json()["code"] == "idempotency_key_mismatch"
+    assert Task.objects.count() == 1
 
 
 @pytest.mark.parametrize("same_request", [True, False], ids=["same", "different"])
@@ -264,12 +299,13 @@ def test_a_key_kept_past_its_time_is_pruned_and_free_for_a_new_task(api, tenant,
     file_id = upload(api, files.wav()).json()["id"]
     body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
     first = submit(api, body, key="order-7").json()["id"]
-    IdempotencyRecord.objects.filter(key="order-7").update(created_at=timezone.now() - timedelta(hours=49))
+    Task.objects.filter(pk=first).update(created_at=timezone.now() - timedelta(hours=49))
     assert prune_idempotency_keys() == 1
     again = submit(api, body if same_request else {**body, "target_format": "srt"}, key="order-7")
     assert again.status_code == 202, again.content
     assert again.json()["id"] != first and not again.has_header("Idempotent-Replayed")
-    assert Task.objects.count() == 2 and Task.objects.get(pk=first).idempotency_key is None
+    assert Task.objects.count() == 2
+    assert Task.objects.filter(pk=first).values_list("idempotency_key", "idempotency_fingerprint").get() == (None, None)
     replay = submit(api, body if same_request else {**body, "target_format": "srt"}, key="order-7")
     assert replay.json()["id"] == again.json()["id"] and replay["Idempotent-Replayed"] == "true"
 

@@ -88,7 +88,9 @@ def test_tasks_keeping_a_pruned_key_forget_it_and_the_others_keep_theirs(api):
 
     migration = import_module("tasks.migrations.0025_forget_pruned_keys")
     kept, pruned, keyless = (submit_file(api, key=key) for key in ("kept", "pruned", None))
-    IdempotencyRecord.objects.filter(key="pruned").delete()  # what the prune did before
+    # Before 0026 a key also had a record; an earlier prune deleted the record of "pruned".
+    IdempotencyRecord.objects.create(tenant_id=Task.objects.get(pk=kept).tenant_id, key="kept", fingerprint="f",
+                                     task_id=kept)
     # (What RunPython hands it: the registry and an editor on the connection it migrates.)
     assert migration.forget_pruned_keys(apps, SimpleNamespace(connection=connection)) == 1
     assert {str(t.pk): t.idempotency_key for t in Task.objects.all()} == {kept: "kept", pruned: None, keyless: None}
