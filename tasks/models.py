@@ -548,10 +548,11 @@ class TaskEvent(models.Model):
 
 
 class IdempotencyRecord(models.Model):
-    """An intake Idempotency-Key as releases before migration 0026 kept it, beside the task's own
+    """An intake Idempotency-Key as releases before migration 0025 kept it, beside the task's own
     copy. Since then the key and its request's fingerprint live on the task alone; these rows are
     no longer written, only read for a task a process of the previous release accepted while
-    0026 ran (its fingerprint is here), and pruned with the keys. The table goes in a later release."""
+    this one was rolled out (its fingerprint is here), and pruned with the keys. The table goes
+    in a later release."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)  # the unique (tenant, key) leads with it
     key = models.CharField(max_length=255)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from tasks import timescale
 from tasks.counters import counts_check
 from tasks.models import DeadLetter, FileVersion, IdempotencyRecord, Quarantine, Task, Tenant
 from tasks.services.billing import billing_reconcile
+from tasks.services.intake import forget_keys, key_kept_since
 from tasks.services.quarantine import poison_reevaluate, quarantine_expire
 from tasks.states import TERMINAL_STATES, State
 from tasks.storage import (
@@ -25,8 +25,6 @@ from tasks.storage import (
     discard_result,
     stored_results,
 )
-
-IDEMPOTENCY_KEEP_S = 48 * 3600
 
 
 def housekeeping() -> dict[str, int]:
@@ -168,18 +166,14 @@ def expire_results() -> int:
 
 
 def prune_idempotency_keys(*, chunk: int = 1000) -> int:
-    """Keys kept past their time are forgotten: a task's key and its request's fingerprint are
-    cleared (the key is unique per tenant: kept, it would refuse the key's next use), a chunk of
-    tasks at a time so that their rows are locked only briefly; and the records the releases
-    before migration 0026 wrote beside them are deleted. Returns the keys forgotten."""
-    cutoff = timezone.now() - timedelta(seconds=max(timescale.seconds(IDEMPOTENCY_KEEP_S), 24 * 3600))
+    """Keys kept past their time are forgotten by their tasks (intake forgets one at once when
+    it is used again first), a chunk of tasks at a time so that their rows are locked only
+    briefly; the records the releases before migration 0025 wrote beside them are deleted.
+    Returns the keys forgotten."""
+    cutoff = key_kept_since(timezone.now())
     pruned = 0
-    while True:
-        expired = list(Task.objects.filter(idempotency_key__isnull=False, created_at__lt=cutoff)
-                       .values_list("pk", flat=True)[:chunk])
-        if not expired:
-            break
-        pruned += Task.objects.filter(pk__in=expired, idempotency_key__isnull=False).update(
-            idempotency_key=None, idempotency_fingerprint=None)
+    while expired := list(Task.objects.filter(idempotency_key__isnull=False, created_at__lt=cutoff)
+                          .values_list("pk", flat=True)[:chunk]):
+        pruned += forget_keys(expired)
     IdempotencyRecord.objects.filter(created_at__lt=cutoff).delete()
     return pruned

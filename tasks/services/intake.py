@@ -1,7 +1,8 @@
 """Accepting work: immutable file versions, and tasks that are durable before anyone hears 202.
 
-The task row is written (state ACCEPTED) in one transaction with its history entry and its
-idempotency record; the message that triggers its pre-check goes out after commit. If that
+The task row is written (state ACCEPTED, with its Idempotency-Key and the fingerprint of the
+request) in one transaction with its history entry; the message that triggers its pre-check goes
+out after commit. If that
 message is lost, the dispatcher finds the ACCEPTED task and sends it again.
 """
 
@@ -11,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -158,7 +160,7 @@ def validate_submission(data: Any) -> SubmitRequest:
 def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str | None, actor: str) -> Submitted:
     """Accept a task durably, or raise an error that stored nothing.
 
-    One write transaction: the key's record, the task and its history entry, and (ORM broker) its
+    One write transaction: the task (with its key) and its history entry, and (ORM broker) its
     pre-check message commit together or not at all. A second request with the same key while the
     first is still being accepted is refused (409) instead of waiting for it (PostgreSQL; on
     SQLite the first has committed before the second can look, and the second replays it)."""
@@ -248,6 +250,7 @@ class _Decided:
     outcomes: list[BatchOutcome | None]
     accepted: list[tuple[_Item, Task, TaskEvent]]
     replayed: dict[int, Any]  # item index -> task id (or the earlier item of this request with its key)
+    expired: list[Any] = field(default_factory=list)  # tasks whose keys the new tasks take over
 
 
 def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],
@@ -346,6 +349,8 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
     accepted: list[tuple[_Item, Task, TaskEvent]] = []
     first_with: dict[str, _Item] = {}  # a key's first item in this request that was accepted or replayed
     replayed: dict[int, Any] = {}
+    expired: list[Any] = []  # tasks whose keys are past their time, to forget before the new ones
+    used = dict(used)
     for item in work:
         try:
             if item.key:
@@ -353,7 +358,14 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
                     raise IdempotencyKeyInUse(retry_after=1)
                 earlier = first_with.get(item.key)
                 holder = used.get(item.key)
-                fingerprint = earlier.fingerprint if earlier else (holder.key_fingerprint if holder else item.fingerprint)
+                if holder is not None and holder.created_at < key_kept_since(now):
+                    expired.append(holder.pk)  # kept past its time: the key makes a new task
+                    used.pop(item.key)
+                    holder = None
+                # (A task that holds the key with no fingerprint anywhere is replayed: only a
+                # process of the release before 0025, in the overlap of a deploy, leaves one.)
+                known = holder.key_fingerprint if holder is not None else None
+                fingerprint = earlier.fingerprint if earlier else (known or item.fingerprint)
                 if fingerprint != item.fingerprint:
                     raise IdempotencyKeyMismatch()
                 if earlier is not None:
@@ -371,26 +383,47 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
         accepted.append((item, task, event))
         if item.key:
             first_with[item.key] = item
-    return _Decided(outcomes=outcomes, accepted=accepted, replayed=replayed)
+    return _Decided(outcomes=outcomes, accepted=accepted, replayed=replayed, expired=expired)
 
 
 def _write(decided: _Decided) -> None:
-    """The accepted submissions' rows: the tasks (with their keys) and their first history entries."""
+    """The accepted submissions' rows: the tasks (with their keys) and their first history
+    entries; a key past its time is forgotten by the task that held it first (as the prune does)."""
     accepted = decided.accepted
+    if decided.expired:
+        forget_keys(decided.expired)
     # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
     # the order every other writer uses (tasks/counters.py).
     insert_rows(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
     insert_rows([event for _, _, event in accepted])
 
 
+# An Idempotency-Key is kept this long (nominal seconds) from its task's acceptance, and never
+# less than a day of real time; then it is forgotten, and makes a new task.
+IDEMPOTENCY_KEEP_S = 48 * 3600
+
+
+def key_kept_since(now):
+    """Keys of tasks accepted before this moment are past their time."""
+    return now - timedelta(seconds=max(timescale.seconds(IDEMPOTENCY_KEEP_S), 24 * 3600))
+
+
+def forget_keys(task_ids: list[Any]) -> int:
+    """These tasks forget their Idempotency-Keys (unique per tenant: kept, a key would refuse its
+    next use) and their requests' fingerprints."""
+    return Task.objects.filter(pk__in=task_ids, idempotency_key__isnull=False).update(
+        idempotency_key=None, idempotency_fingerprint=None)
+
+
 def _tasks_by_key(tenant: Tenant, keys: list[str]) -> dict[str, Task]:
     """The tasks that already hold these keys, with the fingerprint of the request that made each
-    (`key_fingerprint`; a task a process of the release before migration 0026 accepted has it in
+    (`key_fingerprint`; a task a process of the release before migration 0025 accepted has it in
     the key's record only)."""
     if not keys:
         return {}
     found = select(Task, f"t.tenant_id = %s AND t.idempotency_key IN ({', '.join(['%s'] * len(keys))})",
-                   [("tenant", tenant.pk), *(("idempotency_key", key) for key in keys)], only=("idempotency_key",),
+                   [("tenant", tenant.pk), *(("idempotency_key", key) for key in keys)],
+                   only=("idempotency_key", "created_at"),
                    extra={"key_fingerprint": "COALESCE(t.idempotency_fingerprint, (SELECT r.fingerprint FROM "
                                              "tasks_idempotencyrecord r WHERE r.task_id = t.id))"})
     return {task.idempotency_key: task for task in found}

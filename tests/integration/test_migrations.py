@@ -5,6 +5,7 @@ blocks every write to the table — task moves, admissions, uploads — for the 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from django.conf import settings
@@ -74,24 +75,21 @@ def test_dropping_a_fields_own_index_drops_only_that_index():
         assert expected <= {row[0] for row in cursor.fetchall()}
 
 
-def test_tasks_keeping_a_pruned_key_forget_it_and_the_others_keep_theirs(api):
-    """Migration 0025: a task whose key's record an earlier prune deleted (leaving the task's
-    copy, which refused the key's next use with a 500) forgets its key; a task whose record is
-    still kept keeps its key."""
+def test_reversed_the_keys_migration_writes_the_records_the_release_before_reads(api):
+    """Migration 0026 reversed (a rollback to the release before it): each keyed task's key and
+    fingerprint are written to a record again, where that release looks for them."""
     from importlib import import_module
-    from types import SimpleNamespace
 
     from django.apps import apps
 
     from tasks.models import IdempotencyRecord, Task
     from tests.support.flows import submit_file
 
-    migration = import_module("tasks.migrations.0025_forget_pruned_keys")
-    kept, pruned, keyless = (submit_file(api, key=key) for key in ("kept", "pruned", None))
-    # Before 0026 a key also had a record; an earlier prune deleted the record of "pruned".
-    IdempotencyRecord.objects.create(tenant_id=Task.objects.get(pk=kept).tenant_id, key="kept", fingerprint="f",
-                                     task_id=kept)
+    migration = import_module("tasks.migrations.0026_keys_on_the_task")
+    keyed, _ = submit_file(api, key="order-9"), submit_file(api)
     # (What RunPython hands it: the registry and an editor on the connection it migrates.)
-    assert migration.forget_pruned_keys(apps, SimpleNamespace(connection=connection)) == 1
-    assert {str(t.pk): t.idempotency_key for t in Task.objects.all()} == {kept: "kept", pruned: None, keyless: None}
-    assert submit_file(api, key="pruned") != pruned
+    migration.write_records(apps, SimpleNamespace(connection=connection))
+    task = Task.objects.get(pk=keyed)
+    assert list(IdempotencyRecord.objects.values_list("key", "fingerprint", "task_id")) == [
+        ("order-9", task.idempotency_fingerprint, task.pk)]
+    assert task.idempotency_fingerprint
