@@ -38,6 +38,9 @@ def test_a_job_the_vendor_finishes_as_it_creates_it_is_fetched_in_the_start_step
     wait_for(lambda: state(task_id) in ("SUCCEEDED", "FAILED"), timeout=60, message="a terminal state")
     task = Task.objects.get(pk=task_id)
     assert task.state == "SUCCEEDED", (task.error_code, task.error_message)
+    # A step's successful calls are written together as it ends, just after its last move.
+    wait_for(lambda: task.vendor_calls.filter(operation="get_result").exists(), timeout=10,
+             message="the step's vendor calls to be written")
     operations = [c.operation for c in task.vendor_calls.order_by("id")]
     assert operations[:2] == ["upload", "create_job"] and "get_result" in operations, operations
     assert not {"get_job", "poll"} & set(operations), operations  # never polled
