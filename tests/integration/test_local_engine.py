@@ -230,7 +230,7 @@ def test_a_document_that_keeps_crashing_the_engine_is_poison_for_this_engine_ver
     from tasks.models import Quarantine, VendorJob
     from tasks.services.quarantine import poison_binding, poison_reevaluate
     from tasks.system import Stack
-    from tests.conftest import TEST_TIME_SCALE, run_until
+    from tests.conftest import TEST_TIME_SCALE, run_until, wait_for
     from tests.support.flows import route, submit_file
 
     VendorChannel.objects.exclude(name="local").update(enabled=False)
@@ -243,6 +243,9 @@ def test_a_document_that_keeps_crashing_the_engine_is_poison_for_this_engine_ver
         stack.start_all_clusters(workers=1)
         failed = [run_until(submit_file(api, content, name="poison.rtf", kind="conversion", target="pdf"), timeout=90)
                   for _ in range(3)]
+        # The verdict is taken by the worker just after the third task's move to FAILED commits.
+        wait_for(lambda: Quarantine.objects.filter(reason=Quarantine.Reason.POISON).exists(), timeout=30,
+                 message="the poison verdict")
     finally:
         stack.stop_all()
     assert [(t.state, t.error_code) for t in failed] == [("FAILED", "vendor_engine_crashed")] * 3, \
