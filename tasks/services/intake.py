@@ -30,6 +30,7 @@ from tasks.errors import (
     SluiceError,
     UnsupportedType,
 )
+from tasks.groupcommit import GroupCommit
 from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
@@ -161,10 +162,17 @@ def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str 
     """Accept a task durably, or raise an error that stored nothing.
 
     One write transaction: the task (with its key) and its history entry, and (ORM broker) its
-    pre-check message commit together or not at all. A second request with the same key while the
-    first is still being accepted is refused (409) instead of waiting for it (PostgreSQL; on
-    SQLite the first has committed before the second can look, and the second replays it)."""
-    outcome = _submit_all(tenant=tenant, items=[(request, idempotency_key)], actor=actor)[0]
+    pre-check message commit together or not at all. Submissions of one tenant and priority that
+    arrive in this process while one of theirs is being written share the next transaction (a
+    group commit: each decided on its own, in arrival order, as a batch's items are). A second
+    request with the same key while the first is still being accepted is refused (409) instead of
+    waiting for it (PostgreSQL; on SQLite the first has committed before the second can look, and
+    the second replays it)."""
+    if transaction.get_connection().in_atomic_block:  # the caller's transaction: alone, inside it
+        outcome = _submit_all(tenant=tenant, items=[(request, idempotency_key)], actor=actor)[0]
+    else:
+        outcome = _submissions.call((tenant.pk, actor, request.priority), (tenant, actor),
+                                    (request, idempotency_key), exclusive=idempotency_key)
     if outcome.error is not None:
         raise outcome.error
     return outcome.submitted
@@ -174,6 +182,17 @@ def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str 
 class BatchOutcome:
     submitted: Submitted | None = None
     error: SluiceError | None = None
+
+
+def _submit_group(context: tuple[Tenant, str], items: list[tuple[SubmitRequest, str | None]]) -> list[BatchOutcome]:
+    tenant, actor = context
+    return _submit_all(tenant=tenant, items=items, actor=actor)
+
+
+# Grouped by tenant, actor and priority: an interactive submission never waits behind a group
+# bound for the batch lanes.
+_submissions: GroupCommit[tuple[SubmitRequest, str | None], BatchOutcome] = GroupCommit(
+    _submit_group, max_items=100)
 
 
 def task_submit_batch(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError, str | None]],

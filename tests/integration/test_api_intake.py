@@ -236,6 +236,83 @@ def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
     assert Task.objects.get().idempotency_key == "order-3"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_submissions_arriving_while_one_is_written_share_the_next_transaction_each_answered_on_its_own(tenant, token):
+    """A group commit: submissions of one tenant that arrive while another of its submissions is
+    being written wait together and are written in one transaction (one acceptance stamp), each
+    decided on its own: an unknown file is that submission's 404 and no other's."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+    from django.test import Client
+
+    from tasks import locks
+    from tasks.services import intake
+
+    def client() -> Client:
+        return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    file_id = upload(client(), files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "interactive"}
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lane() -> None:
+        try:
+            with transaction.atomic():
+                locks.hold(("lane-gate", "interactive"))
+                Tenant.objects.filter(pk=tenant.pk).update(name=tenant.name)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    answers: dict[str, object] = {}
+
+    def send(name: str, body: dict, key: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                answers[name] = submit(client(), body, key=key)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    holder = threading.Thread(target=hold_the_lane)
+    holder.start()
+    assert held.wait(10)
+    threads = [send("first", body, "k-first")]
+    time.sleep(0.3)  # the first is being written: it waits for the lane
+    group = (tenant.pk, f"api tenant {tenant.name}", "interactive")
+    assert intake._submissions.waiting(group) == 0
+    grouped = {"b": body, "c": {**body, "file_id": "9b1deb4d-3b7d-4bad-9bdd-2b0d7b3dcb6d"}, "d": body}
+    for index, (name, sent) in enumerate(grouped.items()):
+        threads.append(send(name, sent, f"k-{name}"))
+        deadline = time.monotonic() + 10
+        while intake._submissions.waiting(group) < index + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    runs = (intake._submissions.groups_run, intake._submissions.items_run)
+    release.set()
+    for thread in [*threads, holder]:
+        thread.join(30)
+    # Two transactions: the first's, then b, c and d's.
+    assert (intake._submissions.groups_run - runs[0], intake._submissions.items_run - runs[1]) == (2, 4)
+    assert [answers[name].status_code for name in ("first", "b", "c", "d")] == [202, 202, 404, 202]
+    assert answers["c"].json()["code"] == "file_not_found"
+    tasks = {task.idempotency_key: task for task in Task.objects.all()}
+    assert sorted(tasks) == ["k-b", "k-d", "k-first"]
+    assert {answers[name].json()["id"] for name in ("b", "d")} == {str(tasks["k-b"].pk), str(tasks["k-d"].pk)}
+    if connection.vendor == "postgresql":  # the transaction that wrote each row
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT idempotency_key, xmin::text FROM tasks_task")
+            writer = dict(cursor.fetchall())
+        assert writer["k-b"] == writer["k-d"] != writer["k-first"]
+    assert TaskEvent.objects.filter(task__in=list(tasks.values())).count() == 3
+
+
 def test_a_task_the_previous_release_accepted_keeps_its_fingerprint_in_its_record(api, tenant):
     """While migrations 0025-0026 run, processes of the release before still accept tasks: with
     the key on the task but its request's fingerprint only in the key's record. Its key replays
