@@ -21,7 +21,7 @@ from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 from django_q.models import OrmQ
 
-from tasks.rows import insert_rows, update_sql
+from tasks.rows import insert_rows, new_row, update_sql
 
 
 class Orm(ORM):
@@ -31,15 +31,15 @@ class Orm(ORM):
 
     def enqueue(self, task: Any) -> Any:
         self.get_connection()  # what django-q2's does first (old connections closed outside a transaction)
-        return insert_rows([OrmQ(key=self.list_key or Conf.CLUSTER_NAME, payload=task, lock=timezone.now())],
+        return insert_rows([new_row(OrmQ, key=self.list_key or Conf.CLUSTER_NAME, payload=task, lock=timezone.now())],
                           return_pk=True, using=Conf.ORM)
 
     def enqueue_many(self, packages: list[str]) -> None:
         """Messages written in one statement (a batch submission's pre-checks)."""
         self.get_connection()
         now = timezone.now()
-        insert_rows([OrmQ(key=self.list_key or Conf.CLUSTER_NAME, payload=package, lock=now) for package in packages],
-                    using=Conf.ORM)
+        insert_rows([new_row(OrmQ, key=self.list_key or Conf.CLUSTER_NAME, payload=package, lock=now)
+                     for package in packages], using=Conf.ORM)
 
     def dequeue(self) -> list[tuple[Any, str]] | None:
         """django-q2's: up to BULK messages due, each claimed by moving its lock forward only if

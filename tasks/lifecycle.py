@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from tasks import rows
 from tasks.models import Task, TaskEvent
-from tasks.rows import insert_rows
+from tasks.rows import insert_rows, new_row
 from tasks.states import State
 
 S = State
@@ -102,8 +102,8 @@ def transition(
     now = at or timezone.now()
     changes.update(state=states[-1], generation=F("generation") + len(hops), updated_at=now)
     row = {"id": task_id, "state": states[0], "generation": generation}
-    events = [TaskEvent(task_id=task_id, from_state=before, to_state=hop.target, generation=generation + n,
-                        actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
+    events = [new_row(TaskEvent, task_id=task_id, from_state=before, to_state=hop.target, generation=generation + n,
+                      actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
               for n, (before, hop) in enumerate(zip(states, hops, strict=False), start=1)]
     alias = router.db_for_write(Task)
     if connections[alias].vendor == "postgresql":
@@ -200,8 +200,8 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
     now = timezone.now()
     fields["updated_at"] = now
     row = {"id": task_id, "state": state, "generation": generation}
-    event = TaskEvent(task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300], data=data or {},
-                      at=now)
+    event = new_row(TaskEvent, task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300],
+                    data=data or {}, at=now)
     alias = router.db_for_write(Task)
     if connections[alias].vendor == "postgresql":
         return _update_and_record(row, fields, [event])
@@ -214,5 +214,5 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
 
 def record_event(task_id: Any, *, generation: int, actor: str, reason: str, data: dict | None = None) -> None:
     """Append a history entry that is not a state change (a decision, a finding)."""
-    insert_rows([TaskEvent(task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300],
-                           data=data or {})])
+    insert_rows([new_row(TaskEvent, task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300],
+                         data=data or {})])

@@ -13,7 +13,7 @@ from django.core import signing
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 from django.http.multipartparser import MultiPartParserError
-from django.urls import reverse
+from django.urls import get_script_prefix, reverse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from ninja import Body, Header, NinjaAPI, Path, Query, Status
@@ -139,8 +139,22 @@ def file_json(file: FileVersion) -> dict[str, Any]:
     }
 
 
+_PLACEHOLDER = "00000000-0000-0000-0000-000000000000"
+_task_paths: dict[str, str] = {}
+
+
+def task_status_url(request: HttpRequest, task_id: Any) -> str:
+    """A task's status URL. Its path is resolved once for each script prefix the site is served
+    under (resolving it cost a submission's answer more than the rest of the answer did)."""
+    prefix = get_script_prefix()
+    path = _task_paths.get(prefix)
+    if path is None:
+        path = _task_paths[prefix] = reverse("api:task", args=[_PLACEHOLDER]).removesuffix(_PLACEHOLDER)
+    return request.build_absolute_uri(f"{path}{task_id}")
+
+
 def task_json(request: HttpRequest, task: Task) -> dict[str, Any]:
-    status_url = request.build_absolute_uri(reverse("api:task", args=[task.pk]))
+    status_url = task_status_url(request, task.pk)
     result = None
     if task.state == State.SUCCEEDED:
         result = {
@@ -233,7 +247,7 @@ def task_submit_view(request: HttpRequest, response: HttpResponse, body: schemas
     submitted = task_submit(tenant=tenant, request=body.to_request(), idempotency_key=idempotency_key,
                             actor=f"api tenant {tenant.name}")
     task = submitted.task
-    status_url = request.build_absolute_uri(reverse("api:task", args=[task.pk]))
+    status_url = task_status_url(request, task.pk)
     response["Location"] = status_url
     if submitted.replayed:
         response["Idempotent-Replayed"] = "true"
@@ -252,9 +266,8 @@ def task_batch_view(request: HttpRequest, body: schemas.BatchSubmission = Body(.
     tenant: Tenant = request.auth
     outcomes = task_submit_batch(tenant=tenant, items=[_batch_item(item) for item in body.items],
                                  actor=f"api tenant {tenant.name}")
-    # Every item's status URL is this one with its id (built once, not resolved for each item).
-    placeholder = "00000000-0000-0000-0000-000000000000"
-    status_url = request.build_absolute_uri(reverse("api:task", args=[placeholder])).removesuffix(placeholder)
+    # Every item's status URL is this one with its id (built once, not for each item).
+    status_url = task_status_url(request, "")
     data = []
     for index, outcome in enumerate(outcomes):
         if outcome.error is not None:

@@ -16,7 +16,7 @@ from django.db import connections, router
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
-from tasks.rows import insert_rows, update
+from tasks.rows import insert_rows, new_row, update
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
 
@@ -111,7 +111,8 @@ def channel_usage(channel: VendorChannel) -> ChannelUsage:
 
 def slots_reserve(task: Task, channel: VendorChannel) -> None:
     """Called by the dispatcher under its lock, after checking channel_usage()."""
-    insert_rows([BudgetSlot(channel=channel, kind=JOB, task=task), BudgetSlot(channel=channel, kind=UPLOAD, task=task)])
+    insert_rows([new_row(BudgetSlot, channel=channel, kind=JOB, task=task),
+                 new_row(BudgetSlot, channel=channel, kind=UPLOAD, task=task)])
 
 
 def slots_release(task_id, *kinds: str, reason: str, hold_s: float = 0.0) -> int:

@@ -35,7 +35,7 @@ from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_steps_on_commit
-from tasks.rows import insert_rows, select
+from tasks.rows import insert_rows, new_row, select
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
@@ -492,16 +492,16 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
     deadline_s = request.deadline_s or DEFAULT_DEADLINE_S
     deadline_at = now + timescale.delta(deadline_s)
     queue_deadline_at = now + timescale.delta(lane.queue_deadline_s)
-    task = Task(
-        tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
+    task = new_row(
+        Task, tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
         priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
         idempotency_fingerprint=fingerprint if key else None,
         deadline_at=deadline_at, queue_deadline_at=queue_deadline_at,
         dispatch_deadline_at=min(deadline_at, queue_deadline_at),
         estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,
     )
-    event = TaskEvent(
-        task=task, from_state="", to_state=State.ACCEPTED, generation=0, actor=actor[:100],
+    event = new_row(
+        TaskEvent, task=task, from_state="", to_state=State.ACCEPTED, generation=0, actor=actor[:100],
         reason="accepted" + (" (deferred: lane full)" if deferred else ""),
         data={"lane": lane.name, "priority": request.priority},
     )

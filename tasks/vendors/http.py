@@ -26,7 +26,7 @@ from django.utils import timezone
 from tasks import timescale
 from tasks.models import ChannelHealth, VendorCall, VendorChannel
 from tasks.observability import log_event
-from tasks.rows import insert_rows
+from tasks.rows import insert_rows, new_row
 from tasks.vendors import breaker
 from tasks.vendors.classification import Outcome, Row, classify_exception, classify_status
 from tasks.vendors.errors import (
@@ -310,7 +310,8 @@ class VendorHttp:
         failure = row.breaker_failure
         counts = counted and row.outcome != Outcome.REFUSED and row.outcome != Outcome.ALARM
         decision = _decision(operation, row.outcome)
-        call = VendorCall(
+        call = new_row(
+            VendorCall,
             channel=self.channel,
             task_id=self.task_id,
             generation=self.generation,

@@ -22,7 +22,7 @@ from tasks import lifecycle, timescale
 from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
-from tasks.rows import insert_rows, update
+from tasks.rows import insert_rows, new_row, update
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.services.execution.guard import step_crashed, step_interrupted
 from tasks.services.execution.jobs import (
@@ -92,7 +92,7 @@ def claim(task: Task, now: datetime) -> tuple[dict[str, Any], lifecycle.Hop]:
 
 def claim_attempt(task: Task, generation: int, claimed: dict[str, Any], now: datetime) -> Attempt:
     """The attempt a claim made at `now` (`claimed`: its fields) starts, at the task's generation after it."""
-    return Attempt(task=task, generation=generation, owner=claimed["lease_owner"], host=socket.gethostname()[:100],
+    return new_row(Attempt, task=task, generation=generation, owner=claimed["lease_owner"], host=socket.gethostname()[:100],
                    pid=os.getpid(), lease_expires_at=claimed["lease_expires_at"], heartbeat_at=now, channel=task.channel)
 
 
