@@ -90,10 +90,10 @@ def quarantine_add(*, file: FileVersion, reason: str, findings: dict[str, Any], 
     )
 
 
-def poison_check(*, task: Task) -> Quarantine | None:
+def poison_check(*, task: Task, engine_version: str | None = None) -> Quarantine | None:
     """Content that keeps failing at the vendor is quarantined instead of being retried forever.
-    On the local engine the count is per engine version: what broke one LibreOffice is judged
-    again by the next (poison_reevaluate)."""
+    On the local engine the count is per engine version (`engine_version`, read now when not
+    given): what broke one LibreOffice is judged again by the next (poison_reevaluate)."""
     failures = Task.objects.filter(
         tenant_id=task.tenant_id, file__sha256=task.file.sha256, state=State.FAILED, error_retryable=False,
     ).exclude(error_code__in=VENDOR_REFUSAL_CODES_EXCLUDED)
@@ -102,7 +102,7 @@ def poison_check(*, task: Task) -> Quarantine | None:
     if task.channel_id == LOCAL:
         from tasks import engine
 
-        converter = engine.engine_version()
+        converter = engine_version or engine.engine_version()
         # Any of the task's jobs: one found by reconciling (its create's answer lost) is not the
         # task's current job.
         failures = failures.filter(channel_id=LOCAL, vendor_jobs__engine_version=converter).distinct()

@@ -69,6 +69,35 @@ def test_content_that_keeps_failing_at_the_vendor_is_quarantined_as_poison(inlin
     assert inline_queue.control.invariants()["billed_jobs"] == 3, "the poison content was not sent a fourth time"
 
 
+def test_the_third_failure_and_the_poison_verdict_commit_together(inline_queue, api, monkeypatch):
+    """A worker that dies after the third task's move to FAILED and before the verdict must not
+    leave the content failed three times and still accepted: the move is undone with it (the
+    task is still the worker's, for the watchdog to fence and the step to be taken again)."""
+    from tasks.services import quarantine
+
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "job_fail", "params": {"code": "engine_crash"}})
+    content = files.wav(3)
+    for _ in range(2):
+        assert run_until(submit_file(api, content)).state == "FAILED"
+
+    def worker_dies(**kwargs):
+        raise RuntimeError("the worker died before the verdict was written")
+
+    monkeypatch.setattr(quarantine, "quarantine_add", worker_dies)
+    third = submit_file(api, content)
+    with pytest.raises(AssertionError, match="stuck in RUNNING"):
+        run_until(third, timeout=3)
+    assert Task.objects.filter(state="FAILED").count() == 2 and not Quarantine.objects.exists()
+    monkeypatch.undo()
+    # Its next failure (here: the step taken again by hand, as the fenced step would be) judges it.
+    from tasks.services.execution.retry import refused
+
+    task = Task.objects.get(pk=third)
+    refused(task, source="RUNNING", code="vendor_engine_crash", message="the job failed")
+    assert Task.objects.get(pk=third).state == "FAILED" and Quarantine.objects.get(reason="poison")
+
+
 @pytest.mark.parametrize("role,status", [("viewer", 403), ("qa", 403), ("operator", 200), ("admin", 200)])
 def test_dead_letters_are_seen_by_operators_and_above_only(client, role, status):
     user, password = staff_ensure(username=f"{role}-user", role=role, actor="test")

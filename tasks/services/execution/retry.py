@@ -6,17 +6,18 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from tasks import timescale
+from tasks import engine, locks, timescale
 from tasks.models import Attempt, Task, VendorChannel
 from tasks.observability import log_event
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
 from tasks.scheduling.channels import serves
 from tasks.services.execution.lease import actor
 from tasks.services.outcomes import task_move
-from tasks.services.quarantine import poison_check
+from tasks.services.quarantine import LOCAL, poison_check
 from tasks.states import State
 from tasks.vendors import breaker
 from tasks.vendors.classification import Failure
@@ -53,9 +54,15 @@ def fail(task: Task, *, source: State, code: str, message: str, retryable: bool 
 def refused(task: Task, *, source: State, code: str, message: str, data: dict | None = None) -> None:
     """The vendor refused the work for good (a create it refused, a job it ended failed, however
     that is learnt: a create's answer, a poll, reconciliation): the task fails and the failure
-    counts towards quarantining its content as poison."""
-    if fail(task, source=source, code=code, message=message, data=data):
-        poison_check(task=task)
+    counts towards quarantining its content as poison. The move and the verdict commit together:
+    a worker that dies between them would leave content that failed three times unquarantined
+    until it fails again. Failures of one content are judged one at a time (each counts the
+    others' committed moves); the engine's version, a subprocess, is read before the write."""
+    converter = engine.engine_version() if task.channel_id == LOCAL else None
+    with transaction.atomic():
+        if fail(task, source=source, code=code, message=message, data=data):
+            locks.hold(("poison-verdict", task.tenant_id, task.file.sha256))
+            poison_check(task=task, engine_version=converter)
 
 
 def other_channels(task: Task, *, excluding: list[str]) -> list[VendorChannel]:
