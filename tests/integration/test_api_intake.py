@@ -161,6 +161,33 @@ def test_same_key_different_request_is_422_mismatch(api):
     assert Task.objects.count() == 1
 
 
+def hold_the_lane(tenant, lane: str = "interactive"):
+    """In a thread: the lane's admission is busy (PostgreSQL: its gate's lock; SQLite: a write
+    transaction) until `release` is set. Returns (thread, release) once it is held."""
+    import threading
+
+    from django.db import connection, transaction
+
+    from tasks import locks
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                locks.hold(("lane-gate", lane))
+                Tenant.objects.filter(pk=tenant.pk).update(name=tenant.name)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    return holder, release
+
+
 @pytest.mark.django_db(transaction=True)
 def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
     """Two requests with one key at once. PostgreSQL: while the first is being accepted, the
@@ -170,28 +197,15 @@ def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
     import threading
     import time
 
-    from django.db import connection, transaction
+    from django.db import connection
     from django.test import Client
 
-    from tasks import locks
 
     def client() -> Client:
         return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
 
     file_id = upload(client(), files.wav()).json()["id"]
     body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "interactive"}
-    held, release = threading.Event(), threading.Event()
-
-    def hold_the_lane() -> None:
-        # The lane's admission is busy (PostgreSQL: its gate's lock; SQLite: a write transaction).
-        try:
-            with transaction.atomic():
-                locks.hold(("lane-gate", "interactive"))
-                Tenant.objects.filter(pk=tenant.pk).update(name=tenant.name)
-                held.set()
-                release.wait(30)
-        finally:
-            connection.close()
 
     answers: dict[str, object] = {}
 
@@ -201,9 +215,7 @@ def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
         finally:
             connection.close()
 
-    holder = threading.Thread(target=hold_the_lane)
-    holder.start()
-    assert held.wait(10)
+    holder, release = hold_the_lane(tenant)
     first = threading.Thread(target=send, args=("first",))
     first.start()
     if connection.vendor == "postgresql":
@@ -244,10 +256,9 @@ def test_submissions_arriving_while_one_is_written_share_the_next_transaction_ea
     import threading
     import time
 
-    from django.db import connection, transaction
+    from django.db import connection
     from django.test import Client
 
-    from tasks import locks
     from tasks.services import intake
 
     def client() -> Client:
@@ -255,17 +266,6 @@ def test_submissions_arriving_while_one_is_written_share_the_next_transaction_ea
 
     file_id = upload(client(), files.wav()).json()["id"]
     body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "interactive"}
-    held, release = threading.Event(), threading.Event()
-
-    def hold_the_lane() -> None:
-        try:
-            with transaction.atomic():
-                locks.hold(("lane-gate", "interactive"))
-                Tenant.objects.filter(pk=tenant.pk).update(name=tenant.name)
-                held.set()
-                release.wait(30)
-        finally:
-            connection.close()
 
     answers: dict[str, object] = {}
 
@@ -280,9 +280,7 @@ def test_submissions_arriving_while_one_is_written_share_the_next_transaction_ea
         thread.start()
         return thread
 
-    holder = threading.Thread(target=hold_the_lane)
-    holder.start()
-    assert held.wait(10)
+    holder, release = hold_the_lane(tenant)
     threads = [send("first", body, "k-first")]
     time.sleep(0.3)  # the first is being written: it waits for the lane
     group = (tenant.pk, f"api tenant {tenant.name}", "interactive")
