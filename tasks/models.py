@@ -10,7 +10,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import ExpressionWrapper, F, Q
 from django.utils import timezone
 
 from tasks.secrets import SecretField
@@ -440,8 +440,18 @@ class Task(models.Model):
             models.Index(fields=["state", "due_at"]),
             models.Index(fields=["state", "lease_expires_at"], name="task_lease_held",
                          condition=Q(lease_expires_at__isnull=False)),
-            # Also the oldest waiting task of a lane, found at the start of its range.
+            # A lane's tasks by state: the lane counts read its live ones, never its history.
             models.Index(fields=["lane", "state", "dispatched_at", "created_at"], name="task_lane_state_oldest"),
+            # A lane's tasks waiting for admission, in the orders admission reads them: the first
+            # rows of a range, whatever the backlog. PostgreSQL does not take `dispatched_at IS NULL`
+            # as an equality that keeps an index's order (SQLite does), so without these both read
+            # and sorted every waiting task of the lane on every submission and admission pass.
+            models.Index(fields=["lane", "state", "created_at"], name="task_lane_waiting_oldest",
+                         condition=Q(dispatched_at__isnull=True)),
+            models.Index(F("lane"), F("state"), ExpressionWrapper(Q(dispatch_deadline_at__isnull=True),
+                                                                  output_field=models.BooleanField()),
+                         F("dispatch_deadline_at"), F("queued_at"), F("created_at"), name="task_lane_waiting_heads",
+                         condition=Q(dispatched_at__isnull=True)),
             models.Index(fields=["tenant", "state"]),
             models.Index(fields=["tenant", "-created_at"]),
             # The history's per-minute rollup reads the tasks started in its minutes.
