@@ -119,11 +119,13 @@ def test_the_first_waiting_tasks_of_a_long_backlog_are_read_without_reading_the_
     oldest = Task.objects.filter(lane=lane, state__in=[State.ACCEPTED, State.QUEUED]).order_by("created_at").first()
     assert gate.oldest_waiting_at == oldest.created_at
 
-    # As a fresh installation meets its first backlog (no statistics yet) and as a settled one does.
-    for settled in (False, True):
+    # As a fresh installation meets its first backlog (no statistics yet) and, on PostgreSQL, as a
+    # settled one does (autovacuum has analyzed the table). Sluice never analyzes a SQLite database,
+    # and statistics left in it would change the plans every later test reads.
+    for settled in (False, True) if connection.vendor == "postgresql" else (False,):
         if settled:
             with connection.cursor() as cursor:
-                cursor.execute("ANALYZE")
+                cursor.execute("ANALYZE tasks_task")
         _reads_only_the_first_rows(lambda: lanes_with_load(["batch"]))
         _reads_only_the_first_rows(lambda: dispatch._waiting_heads(lane, [acme.pk], HEADS))
         _reads_only_the_first_rows(lambda: dispatch._waiting_heads(lane, [acme.pk, globex.pk], HEADS))
