@@ -141,6 +141,22 @@ else:
 
 # Multiplies every interval in the system (backoff, polls, leases, deadlines, breaker waits).
 TIME_SCALE = env("SLUICE_TIME_SCALE", 1.0, cast=positive_float_at_most(10))
+# PostgreSQL never learns that a client behind a partition (or frozen) is gone: its session, open
+# inside a transaction, would keep every lock it holds (the admission lock: no host admits again)
+# until the client's close reaches the server, which may be never. The server ends a session idle
+# inside a transaction this long (nominal seconds, floor in real seconds; 0: never). Sluice's own
+# transactions make no network call, so only a vanished client is ever idle that long; its
+# transaction rolls back. The server also probes idle connections, so dead ones are closed.
+DB_IDLE_IN_TRANSACTION_S = env("SLUICE_DB_IDLE_IN_TRANSACTION_S", 60.0)
+DB_IDLE_IN_TRANSACTION_FLOOR_S = 10.0
+if DATABASE_URL:
+    _session = ["-c tcp_keepalives_idle=30", "-c tcp_keepalives_interval=10", "-c tcp_keepalives_count=3"]
+    if DB_IDLE_IN_TRANSACTION_S > 0:
+        _idle_ms = int(max(DB_IDLE_IN_TRANSACTION_S * TIME_SCALE, DB_IDLE_IN_TRANSACTION_FLOOR_S) * 1000)
+        _session.append(f"-c idle_in_transaction_session_timeout={_idle_ms}")
+    # Options given in DATABASE_URL (?options=...) come last, so they win.
+    _options = DATABASES["default"]["OPTIONS"]
+    _options["options"] = " ".join([*_session, *([_options["options"]] if _options.get("options") else [])])
 LANES = ("interactive", "batch", "heavy", "unknown-risk")
 LANE_WORKERS = {"interactive": 2, "batch": 1, "heavy": 1, "unknown-risk": 1}
 LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
