@@ -318,7 +318,8 @@ def admit_deferred(now: datetime) -> int:
     moved_count = 0
     waiting = set(_deferred().values_list("lane_id", flat=True).distinct())
     for lane in Lane.objects.filter(pk__in=waiting) if waiting else ():
-        room = lane.max_queued - Task.objects.filter(lane=lane, state=S.QUEUED, dispatched_at__isnull=True).count()
+        # The lane's counter rows, not a count of its backlog (which may be the flood that filled it).
+        room = lane.max_queued - counters.lane_counts(lane.name)["queued"]
         if room <= 0:
             continue
         rows = Task.objects.filter(lane=lane, state=S.ACCEPTED, deferred=True).order_by("created_at").values(
