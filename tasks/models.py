@@ -452,6 +452,14 @@ class Task(models.Model):
                                                                   output_field=models.BooleanField()),
                          F("dispatch_deadline_at"), F("queued_at"), F("created_at"), name="task_lane_waiting_heads",
                          condition=Q(dispatched_at__isnull=True)),
+            # What a dispatcher's tick asks several times a second (is any waiting task past its
+            # queue deadline, any deferred task waiting for room, any start unheard of): the first
+            # rows of a range, not every task of a backlog read to answer no.
+            models.Index(fields=["state", "queue_deadline_at"], name="task_waiting_deadline",
+                         condition=Q(dispatched_at__isnull=True)),
+            models.Index(fields=["state", "lane", "created_at"], name="task_deferred", condition=Q(deferred=True)),
+            models.Index(fields=["state", "enqueued_at"], name="task_dispatched_enqueued",
+                         condition=Q(dispatched_at__isnull=False)),
             models.Index(fields=["tenant", "state"]),
             models.Index(fields=["tenant", "-created_at"]),
             # The history's per-minute rollup reads the tasks started in its minutes.
