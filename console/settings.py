@@ -157,6 +157,7 @@ if DATABASE_URL:
     # Options given in DATABASE_URL (?options=...) come last, so they win.
     _options = DATABASES["default"]["OPTIONS"]
     _options["options"] = " ".join([*_session, *([_options["options"]] if _options.get("options") else [])])
+
 LANES = ("interactive", "batch", "heavy", "unknown-risk")
 LANE_WORKERS = {"interactive": 2, "batch": 1, "heavy": 1, "unknown-risk": 1}
 LANE_WORKERS.update(env("SLUICE_LANE_WORKERS", {}, cast=parse_mapping))
