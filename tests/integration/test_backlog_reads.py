@@ -142,12 +142,8 @@ def test_a_dispatcher_tick_asks_what_is_due_without_reading_the_backlog():
     now = timezone.now()
     backlog_read = []
     for name, (probe, _) in dispatch._FULL_PASSES.items():
-        statements = []
-
-        def ask(probe=probe):
-            statements.extend(_statements(lambda: dispatch._which_have_rows({name: probe(now)}), some=False))
-        ask()
-        for sql, params in statements:
+        asked = _statements(lambda: dispatch._which_have_rows({name: probe(now)}), some=False)  # noqa: B023 (called here)
+        for sql, params in asked:
             if connection.vendor == "postgresql":
                 rows = _task_rows_read(sql, params)
                 if rows > 4 * HEADS:

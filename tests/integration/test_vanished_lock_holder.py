@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from django.db import connection, transaction
@@ -51,20 +50,18 @@ def test_admission_goes_on_after_the_lock_holder_vanished():
         assert holder.stdout.readline() == b"held\n"
         # Frozen with its connection open: to the server, exactly a client behind a partition.
         os.kill(holder.pid, signal.SIGSTOP)
-        started = time.monotonic()
         try:
             with transaction.atomic():
                 with connection.cursor() as cursor:
                     cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{GIVE_UP_S}s"])
                 with dispatch_lock():
-                    waited = time.monotonic() - started
+                    pass
         except OperationalError as error:
             pytest.fail(f"the admission lock was still held after {GIVE_UP_S} s by a vanished session: {error}")
         with connection.cursor() as cursor:
             cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
                            "AND state = 'idle in transaction' AND datname = current_database()")
             assert cursor.fetchone()[0] == 0, "the vanished session is still open"
-        assert waited < GIVE_UP_S
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
