@@ -56,6 +56,7 @@ class RunContext:
     receiver: Receiver | None = None
     secrets: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # wall clock, as the logs stamp their lines
     phase: str = "main"
     quiet: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)

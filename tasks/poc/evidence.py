@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -157,8 +158,26 @@ class Evidence:
         texts += [a.note + a.error_code for attempts in self.attempts.values() for a in attempts]
         return texts
 
+    def dispatcher_pauses_s(self) -> list[float]:
+        """The dispatcher's pauses during the run (real seconds), as it logged them: every wait of
+        the work it moves (a retry falling due, admission) that was longer than its loop allows."""
+        pauses = []
+        for path in self.log_files:
+            with open(path, errors="replace") as lines:
+                for line in lines:
+                    if '"dispatcher_paused"' not in line:
+                        continue
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:
+                        continue
+                    if entry.get("event") == "dispatcher_paused" and entry.get("ts", 0) >= self.ctx.started_at:
+                        pauses.append(entry.get("duration_ms", 0) / 1000)
+        return pauses
+
     def metrics(self) -> dict[str, Any]:
         waits = self.queue_waits_s()
+        pauses = self.dispatcher_pauses_s()
         return {
             "states": self.states(),
             "vendor_jobs_billed": self.invariants.get("billed_jobs", 0),
@@ -175,6 +194,9 @@ class Evidence:
                 lane: self.p95(self.queue_waits_s(lane=lane))
                 for lane in sorted({t.lane_id for t in self.tasks.values() if t.lane_id})
             },
+            # Real seconds: a pause reads the same whatever the time scale (a loaded CI machine's).
+            "dispatcher_pauses": len(pauses),
+            "dispatcher_longest_pause_s": round(max(pauses, default=0.0), 3),
         }
 
 

@@ -3,6 +3,7 @@
 Safe to run on several hosts at once (every pass is a compare-and-set or holds the dispatch lock).
 """
 
+import logging
 import signal
 import time
 
@@ -12,6 +13,11 @@ from django.db import close_old_connections
 
 from tasks.observability import log_event
 from tasks.services.dispatch import tick
+
+
+def pause_after_s(interval: float) -> float:
+    """How long between two passes' starts reads as a pause of the loop (real seconds)."""
+    return max(1.0, 5 * interval)
 
 
 class Command(BaseCommand):
@@ -28,8 +34,14 @@ class Command(BaseCommand):
         full_every = max(float(settings.DISPATCH_FULL_TICK_S), interval)
         log_event("dispatcher_started", delay_s=interval)
         last_full = 0.0
+        previous = None
         while not stopping:
             started = time.monotonic()
+            if previous is not None and started - previous > pause_after_s(interval):
+                # Everything due (retries, admission, deadlines) waited this long: a frozen host,
+                # a starved process or a tick that ran long. Said once, when the loop is back.
+                log_event("dispatcher_paused", logging.WARNING, duration_ms=int((started - previous) * 1000))
+            previous = started
             close_old_connections()
             full = started - last_full >= full_every
             try:
