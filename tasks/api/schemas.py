@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from ninja import Schema
-from pydantic import ConfigDict, Field, Strict, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator
 
 from tasks.filetypes import TARGET_FORMATS
 from tasks.outbound import MAX_URL, OutboundRefused
@@ -33,7 +33,9 @@ class Problem(Schema):
 
 # --- submissions ---------------------------------------------------------------------------------
 
-class _Submission(Schema):
+class _Submission(BaseModel):
+    # pydantic's model, not ninja's Schema: an input needs none of Schema's reading of Django
+    # objects, whose wrapping validator every submission paid.
     model_config = ConfigDict(extra="forbid")
 
     file_id: str = Field(min_length=1, max_length=100, description="The id returned by POST /api/v1/files.")

@@ -237,7 +237,7 @@ def file_detail(request: HttpRequest, file_id: str = Path(..., max_length=100)):
           summary="Submit a task; 202 means accepted and durable, not done",
           response={202: schemas.Accepted, **_problems(400, 404, 409, 413, 422, 429, 503)},
           exclude_none=True)
-def task_submit_view(request: HttpRequest, response: HttpResponse, body: schemas.Submission = Body(...),
+def task_submit_view(request: HttpRequest, body: schemas.Submission = Body(...),
                      idempotency_key: str | None = Header(
                          None, alias="Idempotency-Key", min_length=1, max_length=255,
                          description="Makes the submission safe to retry: the same key with the same request replays "
@@ -248,12 +248,16 @@ def task_submit_view(request: HttpRequest, response: HttpResponse, body: schemas
                             actor=f"api tenant {tenant.name}")
     task = submitted.task
     status_url = task_status_url(request, task.pk)
+    answer = {"id": str(task.pk), "state": task.state, "status_url": status_url, "created_at": _iso(task.created_at)}
+    if task.deferred:
+        answer["waiting_reason"] = "lane_full"  # accepted and durable, but its lane is closed to new work for now
+    # Written as schemas.Accepted documents it, without validating what this code built: the
+    # API's busiest answer, and ninja's validation of it held about 7 % of a submission's samples.
+    response = JsonResponse(answer, status=202)
     response["Location"] = status_url
     if submitted.replayed:
         response["Idempotent-Replayed"] = "true"
-    # A deferred task is accepted and durable, but its lane is closed to new work for now.
-    return Status(202, {"id": str(task.pk), "state": task.state, "status_url": status_url,
-                        "created_at": _iso(task.created_at), "waiting_reason": "lane_full" if task.deferred else None})
+    return response
 
 
 @api.post("/tasks/batch", url_name="tasks_batch", operation_id="submitTaskBatch",
