@@ -99,9 +99,10 @@ if DATABASE_URL:
 else:
     # WAL + IMMEDIATE transactions + a busy timeout on every connection: without them, writes
     # from several worker processes fail with "database is locked" (shared/notes/django-q2.md).
+    # Django's backend with the writers queued on a lock file (tasks/sqlite_backend/base.py).
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            "ENGINE": "tasks.sqlite_backend",
             "NAME": env("SLUICE_DATABASE_PATH", str(DATA_DIR / "sluice.sqlite3")),
             "OPTIONS": {
                 "transaction_mode": "IMMEDIATE",

@@ -37,7 +37,7 @@ def free_port() -> int:
 def database_env() -> dict[str, str]:
     """Environment that points child processes at the database this process uses now."""
     db = connection.settings_dict
-    if db["ENGINE"].endswith("sqlite3"):
+    if connection.vendor == "sqlite":
         return {"SLUICE_DATABASE_PATH": str(db["NAME"]), "DATABASE_URL": ""}
     user = db.get("USER") or ""
     password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""

@@ -1,0 +1,135 @@
+"""SQLite's writers queue on a lock file beside the database (tasks/sqlite_backend): a write
+transaction takes it before BEGIN IMMEDIATE and gives it back however the transaction ends, and
+waits for it no longer than the database's timeout, failing as SQLite would. Each test uses a
+database of its own and a second real process as the other writer."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from django.db import OperationalError
+from django.db.utils import ConnectionHandler
+
+TIMEOUT_S = 1
+HOLDER = """
+import fcntl, os, sqlite3, sys, time
+db, hold_s, ready, flock = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "flock"
+fd = os.open(db + ".writer", os.O_RDWR | os.O_CREAT)
+if flock:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+conn = sqlite3.connect(db, isolation_level=None, timeout=30)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("INSERT INTO t (who) VALUES ('holder')")
+open(ready, "w").close()
+time.sleep(hold_s)
+conn.execute("COMMIT")
+"""
+
+
+@pytest.fixture
+def writer(tmp_path, django_db_blocker):
+    path = str(tmp_path / "w.sqlite3")
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY AUTOINCREMENT, who TEXT)")
+    handler = ConnectionHandler({"default": {"ENGINE": "tasks.sqlite_backend", "NAME": path,
+                                             "OPTIONS": {"timeout": TIMEOUT_S, "transaction_mode": "IMMEDIATE"}}})
+    connection = handler["default"]
+    with django_db_blocker.unblock():  # a database of the test's own, not the project's
+        yield connection
+        connection.close()
+
+
+def write(connection, who: str, *, fail: bool = False) -> None:
+    """What transaction.atomic does with a connection: begin, write, commit (or roll back)."""
+    connection.set_autocommit(False, force_begin_transaction_with_broken_autocommit=True)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO t (who) VALUES (%s)", [who])
+        if fail:
+            raise RuntimeError("the transaction's work failed")
+        connection.commit()
+    except BaseException:
+        connection.rollback()
+        raise
+    finally:
+        connection.set_autocommit(True)
+
+
+def lock_is_free(connection) -> bool:
+    fd = os.open(connection.settings_dict["NAME"] + ".writer", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def hold(connection, tmp_path, seconds: float, *, flock: bool = True) -> subprocess.Popen:
+    ready = tmp_path / f"ready-{time.monotonic_ns()}"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, connection.settings_dict["NAME"], str(seconds), str(ready),
+                               "flock" if flock else "sqlite only"])
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert holder.poll() is None and time.monotonic() < deadline, "the holder did not start"
+        time.sleep(0.01)
+    return holder
+
+
+def rows(connection) -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT who FROM t ORDER BY id")
+        return [who for (who,) in cursor.fetchall()]
+
+
+def test_a_writer_waits_for_the_one_holding_the_lock_and_writes_after_it(writer, tmp_path):
+    holder = hold(writer, tmp_path, 0.5)
+    write(writer, "waiter")
+    assert holder.wait(timeout=30) == 0
+    assert rows(writer) == ["holder", "waiter"]
+    assert lock_is_free(writer)
+
+
+def test_the_lock_is_given_back_however_the_transaction_ends(writer):
+    write(writer, "committed")
+    assert lock_is_free(writer)
+    with pytest.raises(RuntimeError):
+        write(writer, "rolled back", fail=True)
+    assert lock_is_free(writer)
+    writer.set_autocommit(False, force_begin_transaction_with_broken_autocommit=True)
+    assert not lock_is_free(writer)  # held for the transaction, by this process
+    writer.close()
+    assert lock_is_free(writer)
+    assert rows(writer) == ["committed"]
+
+
+def test_a_writer_waits_no_longer_than_the_timeout_and_fails_as_sqlite_does(writer, tmp_path):
+    holder = hold(writer, tmp_path, 10 * TIMEOUT_S)
+    started = time.monotonic()
+    with pytest.raises(OperationalError, match="database is locked"):
+        write(writer, "impatient")
+    assert TIMEOUT_S <= time.monotonic() - started < 5 * TIMEOUT_S
+    holder.kill()  # a process that dies holding the lock frees it
+    holder.wait(timeout=30)
+    write(writer, "after")
+    assert rows(writer) == ["after"]
+
+
+def test_a_begin_refused_by_sqlite_itself_leaves_the_lock_free(writer, tmp_path):
+    # A writer outside the lock (a statement in autocommit, another program) holds SQLite's own.
+    holder = hold(writer, tmp_path, 10 * TIMEOUT_S, flock=False)
+    try:
+        with pytest.raises(OperationalError, match="database is locked"):
+            write(writer, "refused")
+        assert lock_is_free(writer)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
