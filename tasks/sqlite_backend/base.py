@@ -5,10 +5,11 @@ SQLite lets one writer in at a time. The others wait in its busy handler, which 
 tries (1, 2, 5, 10 ... then 100 ms): a waiter learns that the writer left up to 100 ms late, and
 one that keeps losing the race to fresh writers can wait for seconds while the cores idle. Here a
 writer waits on an advisory lock of its own (flock on `<database>.writer`), trying again every
-millisecond at most, so the next writer starts within a millisecond of the last one's end. The
-wait is bounded by the database's `timeout`, as SQLite's own is, with the same error. A process
-that dies holding the lock frees it (the kernel drops a dead process's flocks); statements run
-outside a transaction (autocommit) still wait in SQLite's handler, as before.
+millisecond at most, so the next writer starts within a millisecond of the last one's end. Its
+turn is awaited no longer than the database's `timeout`, with SQLite's error. The kernel drops
+a dead process's flocks; a forked child closes the copies it inherited (a copy held open by a
+child would keep its dead parent's lock). Statements run outside a transaction (autocommit)
+still wait in SQLite's handler, as before, and so does a BEGIN that finds one writing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+import weakref
 
 from django.db import OperationalError
 from django.db.backends.sqlite3 import base
@@ -23,10 +25,11 @@ from django.db.backends.sqlite3 import base
 SHORTEST_WAIT_S = 0.0001
 LONGEST_WAIT_S = 0.001
 
+_open: weakref.WeakSet[DatabaseWrapper] = weakref.WeakSet()
+
 
 class DatabaseWrapper(base.DatabaseWrapper):
-    _writer: tuple[int, int] | None = None  # (pid, fd): a forked child opens its own description
-    _holding = False
+    _writer: tuple[int, str, int, weakref.finalize] | None = None  # (pid, path, fd, its closer)
 
     def _start_transaction_under_autocommit(self) -> None:
         fd = self._writer_fd()
@@ -55,6 +58,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
             super()._close()
         finally:
             self._writer_unlock()
+            self._writer_forget()
 
     @property
     def writer_waiting_bound_s(self) -> float:
@@ -63,21 +67,24 @@ class DatabaseWrapper(base.DatabaseWrapper):
     def _writer_fd(self) -> int | None:
         if self.is_in_memory_db():
             return None
-        pid = os.getpid()
-        if self._writer is None or self._writer[0] != pid:
-            # flock belongs to the open file description: one inherited over fork would be shared
-            # with the parent, so a child opens its own (and leaves the parent's alone).
-            path = f"{self.settings_dict['NAME']}.writer"
-            self._writer = (pid, os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-            self._holding = False
-        return self._writer[1]
+        path = f"{self.settings_dict['NAME']}.writer"
+        if self._writer is not None and self._writer[:2] == (os.getpid(), path):
+            return self._writer[2]
+        self._writer_forget()
+        try:
+            # Read-only is enough for flock, and lets any user of the database share the file.
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise OperationalError(f"cannot open the writers' lock file: {error.strerror}") from None
+        self._writer = (os.getpid(), path, fd, weakref.finalize(self, os.close, fd))
+        _open.add(self)
+        return fd
 
     def _writer_lock(self, fd: int) -> None:
         wait, deadline = SHORTEST_WAIT_S, None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._holding = True
                 return
             except BlockingIOError:
                 pass
@@ -90,6 +97,22 @@ class DatabaseWrapper(base.DatabaseWrapper):
             wait = min(wait * 2, LONGEST_WAIT_S)
 
     def _writer_unlock(self) -> None:
-        if self._holding and self._writer is not None and self._writer[0] == os.getpid():
-            self._holding = False
-            fcntl.flock(self._writer[1], fcntl.LOCK_UN)
+        # Unconditional (unlocking a lock not held is harmless): a signal between taking the
+        # lock and noting it could otherwise leave it held.
+        if self._writer is not None and self._writer[0] == os.getpid():
+            fcntl.flock(self._writer[2], fcntl.LOCK_UN)
+
+    def _writer_forget(self) -> None:
+        """Close this connection's copy of the lock file (never unlocking a parent's: a forked
+        child's copy shares the parent's lock, and closing it leaves that lock alone)."""
+        if self._writer is not None:
+            self._writer[3]()
+            self._writer = None
+
+
+def _after_fork_in_child() -> None:
+    for wrapper in list(_open):
+        wrapper._writer_forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -44,7 +44,7 @@ def test_a_dispatcher_frozen_for_two_seconds_logs_a_pause_that_long_once_it_runs
     ctx = RunContext.__new__(RunContext)
     ctx.started_at = time.time() - 600
     evidence = Evidence.__new__(Evidence)
-    evidence.ctx, evidence.log_files = ctx, [log]
+    evidence.ctx, evidence.log_files = ctx, [tmp_path / "not-there.log", log]  # a missing file is skipped
     assert max(evidence.dispatcher_pauses_s()) == longest / 1000
     ctx.started_at = time.time()  # a pause from before the run is not the run's
     assert evidence.dispatcher_pauses_s() == []

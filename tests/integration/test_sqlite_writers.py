@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from django.db import OperationalError
@@ -29,6 +31,26 @@ conn.execute("INSERT INTO t (who) VALUES ('holder')")
 open(ready, "w").close()
 time.sleep(hold_s)
 conn.execute("COMMIT")
+"""
+
+
+FORKING_WRITER = """
+import os, sys, time
+import django
+from django.conf import settings
+settings.configure()
+django.setup()
+from django.db.utils import ConnectionHandler
+connection = ConnectionHandler({"default": {"ENGINE": "tasks.sqlite_backend", "NAME": sys.argv[1]}})["default"]
+connection.set_autocommit(False, force_begin_transaction_with_broken_autocommit=True)  # holds the lock
+if os.fork() == 0:
+    # Said by the child once fork has returned in it (after what runs at fork).
+    with open(sys.argv[2] + ".tmp", "w") as ready:
+        ready.write(str(os.getpid()))
+    os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
 """
 
 
@@ -133,3 +155,46 @@ def test_a_begin_refused_by_sqlite_itself_leaves_the_lock_free(writer, tmp_path)
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_a_writer_killed_holding_the_lock_frees_it_though_its_forked_child_lives_on(writer, tmp_path):
+    # django-q2's sentinel forks its workers: a child must not keep its dead parent's lock.
+    ready = tmp_path / "ready"
+    parent = subprocess.Popen([sys.executable, "-c", FORKING_WRITER, writer.settings_dict["NAME"], str(ready)],
+                              cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert parent.poll() is None and time.monotonic() < deadline, "the writer did not start"
+        time.sleep(0.01)
+    child = int(ready.read_text())
+    try:
+        assert not lock_is_free(writer)
+        parent.kill()
+        parent.wait(timeout=30)
+        assert os.path.exists(f"/proc/{child}")
+        assert lock_is_free(writer)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_closing_a_connection_closes_its_copy_of_the_lock_file(writer):
+    # A server that starts a thread per request gets a connection per thread: none may leave a
+    # file open behind it.
+    lock_file = writer.settings_dict["NAME"] + ".writer"
+
+    def copies_open() -> int:
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found += os.readlink(f"/proc/self/fd/{fd}") == lock_file
+            except OSError:
+                pass  # closed meanwhile (the listing's own descriptor)
+        return found
+
+    connections = []
+    for n in range(20):
+        connections.append(ConnectionHandler({"default": writer.settings_dict})["default"])
+        write(connections[-1], f"row {n}")
+        connections[-1].close()
+    assert copies_open() == 0
+    assert len(rows(writer)) == 20
