@@ -253,7 +253,7 @@ def task_submit_view(request: HttpRequest, body: schemas.Submission = Body(...),
         answer["waiting_reason"] = "lane_full"  # accepted and durable, but its lane is closed to new work for now
     # Written as schemas.Accepted documents it, without validating what this code built: the
     # API's busiest answer, and ninja's validation of it held about 7 % of a submission's samples.
-    response = JsonResponse(answer, status=202)
+    response = JsonResponse(answer, status=202, content_type="application/json; charset=utf-8")
     response["Location"] = status_url
     if submitted.replayed:
         response["Idempotent-Replayed"] = "true"

@@ -28,6 +28,8 @@ def test_upload_then_submit_answers_202_with_a_status_url_and_the_task_is_durabl
     assert body["detected_type"] == "audio/x-wav" and body["size"] > 0 and len(body["sha256"]) == 64
     answer = submit(api, {"file_id": body["id"], "kind": "transcription", "target_format": "srt"})
     assert answer.status_code == 202
+    # The same answer as every other of the API's (and as it was when ninja wrote it).
+    assert answer["Content-Type"] == stored["Content-Type"] == "application/json; charset=utf-8"
     accepted = answer.json()
     assert accepted["state"] == "ACCEPTED" and answer["Location"] == accepted["status_url"]
     task = Task.objects.get(pk=accepted["id"])
