@@ -45,8 +45,8 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     and numbers too large for a float (not JSON, and not storable as JSON), and NUL characters in strings (no database text type
     stores them)."""
     raw = data.encode() if isinstance(data, str) else data
-    # No more opening brackets than the limit cannot nest past it (strings included): counted in C,
-    # the usual body is never walked token by token.
+    # A body with no more opening brackets than the limit (in strings or not) cannot nest deeper:
+    # counted in C, the usual body is never walked token by token.
     if raw.count(b"[") + raw.count(b"{") > max_depth and depth_of(raw) > max_depth:
         raise JsonRefused(f"The JSON is nested deeper than {max_depth} levels.")
     try:

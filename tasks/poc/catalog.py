@@ -152,8 +152,7 @@ SCENARIOS: list[Scenario] = [
         # stalls releases those that fell due meanwhile together. At 0.05 (a 1 real s spread) a
         # CI run saw 17 of 40 start together (0.425); at 0.2 (4 s) another saw 21 (0.525), as a
         # 1.5 s SIGSTOP of the dispatcher reproduces (0.38-0.46). At 0.5 (10 s) the same stall
-        # reads 0.25-0.3, while retries without
-        # jitter (one delay for all) still crowd into one window.
+        # reads 0.25-0.3, while retries without jitter (one delay for all) still crowd into one.
         time_scale=0.5,
         workload=[Submit(share=1.0)],
         faults=[{"endpoint": "POST /v1/jobs", "type": "http_error", "params": {"status": 503}, "times": 40}],
