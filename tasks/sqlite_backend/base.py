@@ -8,8 +8,10 @@ writer waits on an advisory lock of its own (flock on `<database>.writer`), tryi
 millisecond at most, so the next writer starts within a millisecond of the last one's end. Its
 turn is awaited no longer than the database's `timeout`, with SQLite's error. The kernel drops
 a dead process's flocks; a forked child closes the copies it inherited (a copy held open by a
-child would keep its dead parent's lock). Statements run outside a transaction (autocommit)
-still wait in SQLite's handler, as before, and so does a BEGIN that finds one writing.
+child would keep its dead parent's lock). A write statement run outside a transaction
+(autocommit: an INSERT, UPDATE, DELETE or REPLACE) takes the lock for the statement alone; reads
+never wait for it. What still waits in SQLite's handler: a writer outside Sluice (another program,
+a write beginning with WITH) and whoever meets one.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import fcntl
 import os
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from django.db import OperationalError
 from django.db.backends.sqlite3 import base
+from django.utils.asyncio import async_unsafe
 
 SHORTEST_WAIT_S = 0.0001
 LONGEST_WAIT_S = 0.001
@@ -28,8 +33,47 @@ LONGEST_WAIT_S = 0.001
 _open: weakref.WeakSet[DatabaseWrapper] = weakref.WeakSet()
 
 
+WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
+
+
+class _Cursor(base.SQLiteCursorWrapper):
+    """Django's cursor, whose write statements outside a transaction take the writers' lock."""
+
+    wrapper: DatabaseWrapper
+
+    def execute(self, query, params=None):
+        if self.connection.in_transaction or not query.lstrip()[:7].upper().startswith(WRITES):
+            return super().execute(query, params)
+        with self.wrapper._writer_statement():
+            return super().execute(query, params)
+
+    def executemany(self, query, param_list):
+        if self.connection.in_transaction or not query.lstrip()[:7].upper().startswith(WRITES):
+            return super().executemany(query, param_list)
+        with self.wrapper._writer_statement():
+            return super().executemany(query, param_list)
+
+
 class DatabaseWrapper(base.DatabaseWrapper):
     _writer: tuple[int, str, int, weakref.finalize] | None = None  # (pid, path, fd, its closer)
+
+    @async_unsafe
+    def create_cursor(self, name=None):
+        cursor = self.connection.cursor(factory=_Cursor)
+        cursor.wrapper = self
+        return cursor
+
+    @contextmanager
+    def _writer_statement(self) -> Iterator[None]:
+        fd = self._writer_fd()
+        if fd is None:
+            yield
+            return
+        self._writer_lock(fd)
+        try:
+            yield
+        finally:
+            self._writer_unlock()
 
     def _start_transaction_under_autocommit(self) -> None:
         fd = self._writer_fd()

@@ -1,7 +1,8 @@
 """SQLite's writers queue on a lock file beside the database (tasks/sqlite_backend): a write
-transaction takes it before BEGIN IMMEDIATE and gives it back however the transaction ends, and
-waits for it no longer than the database's timeout, failing as SQLite would. Each test uses a
-database of its own and a second real process as the other writer."""
+transaction takes it before BEGIN IMMEDIATE and gives it back however the transaction ends, a
+write statement outside a transaction holds it for the statement, and both wait for it no longer
+than the database's timeout, failing as SQLite would. Each test uses a database of its own and a
+second real process as the other writer."""
 
 from __future__ import annotations
 
@@ -21,10 +22,17 @@ from django.db.utils import ConnectionHandler
 TIMEOUT_S = 1
 HOLDER = """
 import fcntl, os, sqlite3, sys, time
-db, hold_s, ready, flock = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "flock"
+db, hold_s, ready, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
 fd = os.open(db + ".writer", os.O_RDWR | os.O_CREAT)
-if flock:
+if mode != "sqlite only":
     fcntl.flock(fd, fcntl.LOCK_EX)
+if mode == "flock only":  # the lock file alone, given back with a note first
+    open(ready, "w").close()
+    time.sleep(hold_s)
+    open(ready + ".released", "w").close()
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    time.sleep(60)
+    sys.exit(0)
 conn = sqlite3.connect(db, isolation_level=None, timeout=30)
 conn.execute("BEGIN IMMEDIATE")
 conn.execute("INSERT INTO t (who) VALUES ('holder')")
@@ -95,10 +103,14 @@ def lock_is_free(connection) -> bool:
         os.close(fd)
 
 
-def hold(connection, tmp_path, seconds: float, *, flock: bool = True) -> subprocess.Popen:
+def hold(connection, tmp_path, seconds: float, *, mode: str = "flock") -> subprocess.Popen:
+    """A process that holds the lock file and SQLite's write lock ("flock"), SQLite's alone
+    ("sqlite only", as a program outside Sluice would) or the lock file alone ("flock only", which
+    notes `<ready>.released` just before it gives the lock back)."""
     ready = tmp_path / f"ready-{time.monotonic_ns()}"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, connection.settings_dict["NAME"], str(seconds), str(ready),
-                               "flock" if flock else "sqlite only"])
+                               mode])
+    holder.ready = ready
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert holder.poll() is None and time.monotonic() < deadline, "the holder did not start"
@@ -147,7 +159,7 @@ def test_a_writer_waits_no_longer_than_the_timeout_and_fails_as_sqlite_does(writ
 
 def test_a_begin_refused_by_sqlite_itself_leaves_the_lock_free(writer, tmp_path):
     # A writer outside the lock (a statement in autocommit, another program) holds SQLite's own.
-    holder = hold(writer, tmp_path, 10 * TIMEOUT_S, flock=False)
+    holder = hold(writer, tmp_path, 10 * TIMEOUT_S, mode="sqlite only")
     try:
         with pytest.raises(OperationalError, match="database is locked"):
             write(writer, "refused")
@@ -155,6 +167,41 @@ def test_a_begin_refused_by_sqlite_itself_leaves_the_lock_free(writer, tmp_path)
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def autocommit_write(connection, who: str) -> None:
+    """A statement outside a transaction, as `Model.objects.filter(...).update(...)` runs one."""
+    assert connection.get_autocommit() and not connection.in_atomic_block
+    with connection.cursor() as cursor:
+        cursor.execute("INSERT INTO t (who) VALUES (%s)", [who])
+
+
+def test_a_write_outside_a_transaction_waits_for_the_lock_too(writer, tmp_path):
+    holder = hold(writer, tmp_path, 0.5, mode="flock only")
+    try:
+        autocommit_write(writer, "statement")
+        # SQLite itself was free all along: only the lock file could have held the write back.
+        assert Path(f"{holder.ready}.released").exists()
+        assert lock_is_free(writer)  # held for the statement alone
+        assert rows(writer) == ["statement"]
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+def test_a_write_outside_a_transaction_waits_no_longer_than_the_timeout(writer, tmp_path):
+    holder = hold(writer, tmp_path, 10 * TIMEOUT_S, mode="flock only")
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match="database is locked"):
+            autocommit_write(writer, "impatient")
+        assert TIMEOUT_S <= time.monotonic() - started < 5 * TIMEOUT_S
+        assert rows(writer) == []  # reads never wait for the lock
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    autocommit_write(writer, "after")
+    assert rows(writer) == ["after"]
 
 
 def test_a_writer_killed_holding_the_lock_frees_it_though_its_forked_child_lives_on(writer, tmp_path):
