@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 from django_q.brokers import Broker, get_broker
+from django_q.brokers.redis_broker import Redis as RedisBroker
 from django_q.tasks import async_task
 
 from tasks import costs
@@ -155,34 +156,85 @@ def _written_with_the_transaction() -> bool:
 
 
 def send_steps_on_commit(step: str, tasks: list[tuple[Any, int, str | None]]) -> None:
-    """send_step_on_commit for each (task id, generation, lane): with the ORM broker, each lane's
-    messages are written in one statement, in the surrounding transaction."""
-    if not _written_with_the_transaction():
-        for task_id, generation, lane in tasks:
-            send_step_on_commit(step, task_id, generation, lane=lane)
+    """send_step_on_commit for each (task id, generation, lane), each lane's messages at once:
+    with the ORM broker in one statement of the surrounding transaction, with Redis in one RPUSH
+    after the commit (one round trip a lane, not one a task)."""
+    if not tasks:
         return
+    if _written_with_the_transaction():
+        _send_many(step, tasks)
+    elif transaction.get_connection().in_atomic_block:
+        transaction.on_commit(lambda: _send_many_or_leave_to_dispatcher(step, tasks))
+    else:
+        _send_many_or_leave_to_dispatcher(step, tasks)
+
+
+def _send_many(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any]:
+    """Each lane's messages handed to its broker at once; the ids of the tasks whose messages could
+    not be (their lane's broker unreachable). The ORM broker's errors propagate, as in `send`."""
     by_cluster: dict[str, list[tuple[Any, int, str | None]]] = {}
     for task_id, generation, lane in tasks:
         by_cluster.setdefault(lane or control_cluster(), []).append((task_id, generation, lane))
+    unsent: list[Any] = []
     for cluster, sent in by_cluster.items():
+        for _ in sent:
+            costs.count("queue_messages")
+        if time.monotonic() < _unreachable_until.get((os.getpid(), cluster), 0.0):
+            unsent += [task_id for task_id, _, _ in sent]  # it just failed: not a timeout per lane
+            continue
         broker = _broker(cluster)
         collected = _Collected(broker.list_key)
         for task_id, generation, lane in sent:
-            costs.count("queue_messages")
             func, args, name, timeout = _step_message(step, task_id, generation, lane)
             _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
-        broker.enqueue_many(collected.packages)
+        try:
+            _enqueue_many(broker, collected.packages)
+        except _broker_errors() as exc:
+            _unreachable_until[(os.getpid(), cluster)] = time.monotonic() + BROKER_RETRY_S
+            log_event("queue_unreachable", logging.WARNING, operation=step, reason=type(exc).__name__,
+                      count=len(sent), decision="the dispatcher sends them again")
+            unsent += [task_id for task_id, _, _ in sent]
+    return unsent
+
+
+def _enqueue_many(broker: Broker, packages: list[str]) -> None:
+    """Messages handed to a broker together: one statement (ORM, tasks.brokers.Orm), one RPUSH
+    (Redis: a command of many values is atomic, all of them queued or none)."""
+    if hasattr(broker, "enqueue_many"):
+        broker.enqueue_many(packages)
+    elif isinstance(broker, RedisBroker):
+        broker.connection.rpush(broker.list_key, *packages)
+    else:
+        for package in packages:
+            broker.enqueue(package)
+
+
+def _send_many_or_leave_to_dispatcher(step: str, tasks: list[tuple[Any, int, str | None]]) -> None:
+    """_send_many after the commit; the triggers it could not send are marked unsent (one UPDATE),
+    so a dispatcher that reaches the broker sends them on its next pass."""
+    unsent = _send_many(step, tasks)
+    if unsent:
+        _mark_unsent([(task_id, generation) for task_id, generation, _ in tasks if task_id in set(unsent)])
 
 
 def _send_or_leave_to_dispatcher(step: str, task_id: Any, generation: int, *, lane: str | None) -> None:
     """A trigger this process could not send is marked unsent, so a dispatcher that reaches the
     broker sends it on its next pass instead of waiting out the lost-message delay."""
     if not send_step(step, task_id, generation, lane=lane):
-        from django.db import DatabaseError
+        _mark_unsent([(task_id, generation)])
 
-        from tasks.models import Task
 
-        try:
-            Task.objects.filter(pk=task_id, generation=generation).update(enqueued_at=None)
-        except DatabaseError:
-            pass  # committed already: the dispatcher resends it after the lost-message delay
+def _mark_unsent(tasks: list[tuple[Any, int]]) -> None:
+    """These tasks' triggers were not sent (each at the generation it was for)."""
+    from django.db import DatabaseError
+
+    from tasks.models import Task
+
+    by_generation: dict[int, list[Any]] = {}
+    for task_id, generation in tasks:
+        by_generation.setdefault(generation, []).append(task_id)
+    try:
+        for generation, ids in by_generation.items():  # one UPDATE for a batch's pre-checks
+            Task.objects.filter(pk__in=ids, generation=generation).update(enqueued_at=None)
+    except DatabaseError:
+        pass  # committed already: the dispatcher resends them after the lost-message delay

@@ -119,6 +119,13 @@ def test_two_batches_racing_with_the_same_keys_make_one_task_per_key(vendor, ten
         assert statuses in ([(202, False), (202, True)], [(202, False), (409, None)]), statuses
 
 
+def _redis_pushes() -> int:
+    """RPUSH commands the Redis server has run (its own count)."""
+    from django_q.brokers import get_broker
+
+    return int(get_broker().connection.info("commandstats").get("cmdstat_rpush", {}).get("calls", 0))
+
+
 def test_a_batch_sends_each_accepted_task_one_precheck_message_on_its_lane(api, vendor):
     """Every accepted item's pre-check is triggered once, on the workers of its lane; with the
     embedded broker a lane's messages are written in one statement with the tasks."""
@@ -133,6 +140,7 @@ def test_a_batch_sends_each_accepted_task_one_precheck_message_on_its_lane(api, 
 
     file_id = upload(api)
     before = {lane: queue_backlog(lane) for lane in ("interactive", "batch")}
+    pushes = _redis_pushes() if settings.REDIS_URL else 0
     items = [item(file_id, priority="interactive" if i % 3 == 0 else "batch") for i in range(9)] + [item("nope")]
     with CaptureQueriesContext(connection) as statements:
         answer = batch(api, items)
@@ -141,12 +149,36 @@ def test_a_batch_sends_each_accepted_task_one_precheck_message_on_its_lane(api, 
     assert {lane: len(ids) for lane, ids in tasks.items()} == {"interactive": 3, "batch": 6}
     assert {lane: queue_backlog(lane) - before[lane] for lane in tasks} == {"interactive": 3, "batch": 6}
     if settings.REDIS_URL:
-        return
-    inserts = [q["sql"] for q in statements.captured_queries if q["sql"].startswith('INSERT INTO "django_q_ormq"')]
-    assert len(inserts) == 2, inserts
+        # Redis: after the commit, one RPUSH a lane (one round trip), not one a task.
+        assert _redis_pushes() - pushes == 2
+        payloads = {lane: get_broker(lane).connection.lrange(get_broker(lane).list_key, before[lane], -1) for lane in tasks}
+    else:
+        inserts = [q["sql"] for q in statements.captured_queries if q["sql"].startswith('INSERT INTO "django_q_ormq"')]
+        assert len(inserts) == 2, inserts
+        payloads = {lane: OrmQ.objects.filter(key=get_broker(lane).list_key).values_list("payload", flat=True)
+                    for lane in tasks}
     for lane, ids in tasks.items():
-        messages = [SignedPackage.loads(payload) for payload in
-                    OrmQ.objects.filter(key=get_broker(lane).list_key).values_list("payload", flat=True)]
+        messages = [SignedPackage.loads(payload) for payload in payloads[lane]]
         assert sorted((m["func"], m["args"][0], m["args"][2]) for m in messages) == [("tasks.workers.run_step", "precheck", 0)] * len(ids)
         assert {m["args"][1] for m in messages} == {str(pk) for pk in ids}
         assert all(m["timeout"] and m["cluster"] == lane for m in messages)
+
+
+def test_a_batch_is_accepted_while_the_redis_broker_is_unreachable_and_its_triggers_are_left_to_the_dispatcher(
+        api, vendor, settings, monkeypatch):
+    """Its tasks committed, a batch whose lanes' broker cannot be reached loses the triggers only:
+    every task is marked unsent (the dispatcher sends them on its next pass), none is lost."""
+    from tasks import queueing
+
+    dead = "redis://127.0.0.1:1/0?socket_connect_timeout=1&socket_timeout=1"  # nothing listens on port 1
+    settings.Q_CLUSTER = {**{k: v for k, v in settings.Q_CLUSTER.items() if k != "orm"}, "redis": dead}
+    monkeypatch.setattr("django_q.conf.Conf.REDIS", dead)
+    monkeypatch.setattr("django_q.conf.Conf.ORM", None)
+    monkeypatch.setattr("django_q.conf.Conf.BROKER_CLASS", None)
+    monkeypatch.setattr(queueing, "_brokers", {})
+    monkeypatch.setattr(queueing, "_unreachable_until", {})  # what this test learns stays in it
+    file_id = upload(api)
+    answer = batch(api, [item(file_id, priority="interactive" if i % 2 else "batch") for i in range(6)])
+    assert answer.status_code == 200 and answer.json()["accepted"] == 6, answer.content
+    assert Task.objects.count() == 6
+    assert sorted(Task.objects.values_list("state", "enqueued_at")) == [("ACCEPTED", None)] * 6
