@@ -77,6 +77,43 @@ def test_a_returned_primary_key_rows_beyond_one_statement_and_expressions_left_t
     assert VendorCall.objects.filter(channel=channel, duration_ms=3).count() == 1
 
 
+def test_many_rows_are_written_as_bulk_create_writes_them_each_with_its_own_key(tenant):
+    """Several rows in one statement (PostgreSQL: one array a column, the statement's text the
+    same for any number of rows), each row read back with what was set on it, its database-assigned
+    key set on its own instance."""
+    files = [_file(tenant) for _ in range(3)]
+    insert_rows(files)
+    lanes = ["batch", "interactive", "batch"]
+    made = [Task(tenant=tenant, file=files[n], kind="transcription", target_format=("txt", "srt", "json")[n],
+                 params={"n": n, "nested": {"k": [n, None]}} if n != 1 else {}, lane_id=lanes[n], priority="batch",
+                 deadline_at=timezone.now() + timedelta(hours=n + 1), due_at=timezone.now() if n != 2 else None,
+                 callback_url="" if n else "https://example.com/hook", idempotency_key=f"key-{n}" if n != 1 else None,
+                 estimated_units=n * 7 if n else None, deferred=n == 1, poll_interval_s=1.5 * n)
+            for n in range(3)]
+    def copy(task: Task, **changes) -> Task:
+        return Task(**{**{f.attname: getattr(task, f.attname) for f in Task._meta.concrete_fields if f.attname != "id"},
+                       **changes})
+
+    theirs = [copy(task, idempotency_key=task.idempotency_key and f"{task.idempotency_key}-orm") for task in made]
+    with transaction.atomic(), CaptureQueriesContext(connection) as statements:
+        insert_rows(made)
+        insert_rows([copy(made[0], idempotency_key=None) for _ in range(2)])
+    Task.objects.bulk_create(theirs)
+    skip = {"id", "idempotency_key", "created_at", "updated_at"}
+    for ours, orm in zip(made, theirs, strict=True):
+        assert {k: v for k, v in _values(Task.objects.get(pk=ours.pk)).items() if k not in skip} == \
+            {k: v for k, v in _values(Task.objects.get(pk=orm.pk)).items() if k not in skip}
+    events = [TaskEvent(task=task, from_state="", to_state="ACCEPTED", generation=0, actor="t", reason=f"r{n}",
+                        data={"n": n}) for n, task in enumerate(made)]
+    insert_rows(events)
+    assert [(TaskEvent.objects.get(pk=e.pk).reason, TaskEvent.objects.get(pk=e.pk).data) for e in events] == \
+        [("r0", {"n": 0}), ("r1", {"n": 1}), ("r2", {"n": 2})]  # each key read back onto its own row
+    texts = [q["sql"] for q in statements.captured_queries]
+    assert len(texts) == 2
+    if connection.vendor == "postgresql":  # 3 rows or 2: the same statement, an array a column
+        assert all("SELECT * FROM UNNEST(" in text and " VALUES " not in text for text in texts), texts
+
+
 def test_the_embedded_brokers_message_is_written_and_taken_as_django_q2_writes_it():
     from django.conf import settings
     from django_q.brokers import get_broker
