@@ -199,7 +199,10 @@ def _send_many(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any]
 
 def _enqueue_many(broker: Broker, packages: list[str]) -> None:
     """Messages handed to a broker together: one statement (ORM, tasks.brokers.Orm), one RPUSH
-    (Redis: a command of many values is atomic, all of them queued or none)."""
+    (Redis: a command of many values is atomic, all of them queued or none). None in django-q2's
+    sync mode, which ran each step as it was packaged."""
+    if not packages:
+        return
     if hasattr(broker, "enqueue_many"):
         broker.enqueue_many(packages)
     elif isinstance(broker, RedisBroker):
