@@ -215,9 +215,9 @@ def _enqueue_many(broker: Broker, packages: list[str]) -> None:
 def _send_many_or_leave_to_dispatcher(step: str, tasks: list[tuple[Any, int, str | None]]) -> None:
     """_send_many after the commit; the triggers it could not send are marked unsent (one UPDATE),
     so a dispatcher that reaches the broker sends them on its next pass."""
-    unsent = _send_many(step, tasks)
+    unsent = set(_send_many(step, tasks))
     if unsent:
-        _mark_unsent([(task_id, generation) for task_id, generation, _ in tasks if task_id in set(unsent)])
+        _mark_unsent([(task_id, generation) for task_id, generation, _ in tasks if task_id in unsent])
 
 
 def _send_or_leave_to_dispatcher(step: str, task_id: Any, generation: int, *, lane: str | None) -> None:
