@@ -12,7 +12,6 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 from django_q.brokers import Broker, get_broker
-from django_q.brokers.redis_broker import Redis as RedisBroker
 from django_q.tasks import async_task
 
 from tasks import costs
@@ -205,7 +204,11 @@ def _enqueue_many(broker: Broker, packages: list[str]) -> None:
         return
     if hasattr(broker, "enqueue_many"):
         broker.enqueue_many(packages)
-    elif isinstance(broker, RedisBroker):
+        return
+    # Imported here: redis-py is loaded where Redis is the broker, not in every process (a few MB).
+    from django_q.brokers.redis_broker import Redis
+
+    if isinstance(broker, Redis):
         broker.connection.rpush(broker.list_key, *packages)
     else:
         for package in packages:
