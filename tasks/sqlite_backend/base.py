@@ -42,16 +42,20 @@ class _Cursor(base.SQLiteCursorWrapper):
     wrapper: DatabaseWrapper
 
     def execute(self, query, params=None):
-        if self.connection.in_transaction or not query.lstrip()[:7].upper().startswith(WRITES):
+        if not self._writes_alone(query):
             return super().execute(query, params)
         with self.wrapper._writer_statement():
             return super().execute(query, params)
 
     def executemany(self, query, param_list):
-        if self.connection.in_transaction or not query.lstrip()[:7].upper().startswith(WRITES):
+        if not self._writes_alone(query):
             return super().executemany(query, param_list)
         with self.wrapper._writer_statement():
             return super().executemany(query, param_list)
+
+    def _writes_alone(self, query: str) -> bool:
+        """A write statement outside a transaction (a transaction took the lock at its BEGIN)."""
+        return not self.connection.in_transaction and query.lstrip()[:7].upper().startswith(WRITES)
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
