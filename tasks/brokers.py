@@ -7,6 +7,15 @@ statement, atomic by itself, does the same. A message is written with an INSERT 
 (`tasks.rows.insert_rows`), not through the query compiler: a submission writes one. And the
 pusher's poll (ten times a second in every cluster) and its claim of a message are read and
 written the same way, as django-q2 reads and writes them.
+
+A lane's messages are triggers of steps and nothing more: the task table says which step is
+due, a step that finds nothing to do does nothing, and the dispatcher sends again a step it has
+not heard of (tasks/services/dispatch.py, `presumed_lost`). So a lane's pusher takes its messages
+by deleting them, in the statement that finds them, and their acknowledgement writes nothing: a
+message taken by a cluster that dies before running it is sent again by the dispatcher, within
+seconds, where the lock's claim would have had django-q2 deliver it again only after the lane's
+step timeout. The control cluster's messages (sweeps, notifications, bulk operations) keep the
+claim and the acknowledgement.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from datetime import datetime, timedelta
 from time import sleep
 from typing import Any
 
+from django.conf import settings
 from django.db import connections, router
 from django.utils import timezone
 from django_q.brokers.orm import ORM
@@ -26,6 +36,8 @@ from tasks.rows import insert_rows, new_row, update_sql
 
 class Orm(ORM):
     def delete(self, task_id: Any) -> None:
+        if self._takes_by_deleting():  # taken, so gone already
+            return
         rows = self.get_connection().filter(pk=task_id)
         rows._raw_delete(rows.db)
 
@@ -49,11 +61,37 @@ class Orm(ORM):
             return super().dequeue()
         self.get_connection()  # old connections closed outside a transaction, as django-q2's does
         now = timezone.now()
-        claimed = _claimed(Conf.ORM, self.list_key, now, now + timedelta(seconds=Conf.RETRY))
+        if self._takes_by_deleting():
+            claimed = _taken(Conf.ORM, self.list_key, now)
+        else:
+            claimed = _claimed(Conf.ORM, self.list_key, now, now + timedelta(seconds=Conf.RETRY))
         if not claimed:
             sleep(Conf.POLL)
             return None
         return claimed
+
+    def _takes_by_deleting(self) -> bool:
+        """A lane's cluster: its messages are triggers of steps (this module's docstring)."""
+        return self.list_key in settings.LANES
+
+
+def _taken(alias: str, key: str, now: datetime) -> list[tuple[Any, str]]:
+    """Up to BULK due messages of `key`, the oldest first, taken in one statement that deletes
+    them: a message another pusher took first is gone, and not taken again (PostgreSQL checks the
+    condition again on the row it waited for)."""
+    connection = connections[alias]
+    quote = connection.ops.quote_name
+
+    def column(name: str) -> str:
+        return quote(OrmQ._meta.get_field(name).column)
+
+    table, pk, lock = quote(OrmQ._meta.db_table), column("id"), column("lock")
+    due = OrmQ._meta.get_field("lock").get_db_prep_value(now, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {table} WHERE {pk} IN (SELECT q.{pk} FROM {table} q WHERE q.{column('key')} = %s "
+                       f"AND q.{lock} < %s ORDER BY q.{pk} LIMIT %s) AND {lock} < %s RETURNING {pk}, {column('payload')}",
+                       [key, due, Conf.BULK, due])
+        return sorted((row[0], row[1]) for row in cursor.fetchall())
 
 
 def _claimed(alias: str, key: str, now: datetime, until: datetime) -> list[tuple[Any, str]]:

@@ -82,6 +82,29 @@ def test_a_lost_dispatch_message_is_sent_again_and_the_task_still_runs(vendor, a
     assert vendor.control.invariants()["billed_jobs"] == 1
 
 
+def test_a_message_taken_by_a_cluster_that_died_before_running_it_is_sent_again(vendor, api, tmp_path):
+    from django.conf import settings
+    from django_q.models import OrmQ
+
+    from tasks.system import Stack
+    from tests.conftest import TEST_TIME_SCALE
+
+    stack = Stack(log_dir=tmp_path / "s", env={"SLUICE_TIME_SCALE": str(TEST_TIME_SCALE), "SLUICE_DISPATCH_TICK_S": "0.05"})
+    try:
+        task_id = submit_file(api, files.wav())
+        # A pusher takes the pre-check message, and its cluster is killed before a worker runs it.
+        broker = get_broker(Task.objects.get(pk=task_id).lane_id)
+        assert len(broker.dequeue() or []) == 1
+        if not settings.REDIS_URL:  # a lane's message is taken by deleting it: the broker never redelivers it
+            assert not OrmQ.objects.filter(key=broker.list_key).exists()
+        stack.start_dispatcher()
+        stack.start_all_clusters(workers=1)
+        wait_for(lambda: state(task_id) == "SUCCEEDED", timeout=60, message="recovery of the taken message")
+    finally:
+        stack.stop_all()
+    assert vendor.control.invariants()["billed_jobs"] == 1
+
+
 def test_a_message_waiting_behind_a_backlog_is_not_resent_but_a_lost_one_is(vendor, api):
     """No workers: the lane's queue really holds the message, and the dispatcher must tell a
     message waiting its turn from a lost one (or a backlog doubles itself with resends)."""
