@@ -57,9 +57,12 @@ def is_allowed(source: State | str, target: State | str) -> bool:
 
 @dataclass(frozen=True)
 class Moved:
-    """A transition that happened: the task is now at `generation`."""
+    """A transition that happened: the task is now at `generation`. `said`: the value of the
+    move's `returning` expression on the moved row (None: none asked, or the change was one the
+    ORM writes, whose statement does not carry it: the caller reads the row instead)."""
 
     generation: int
+    said: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,17 @@ def transition(
     data: dict[str, Any] | None = None,
     at: datetime | None = None,
     then: list[Hop] | None = None,
+    returning: str = "",
 ) -> Moved | None:
     """Move a task from `source` at `generation` to `target`; None if it was not there any more.
     `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too.
     `then`: transitions on from `target` made in the same compare-and-set, each allowed by the
     table and each with its history entry and its generation (a worker that admits a task and
-    claims it at once: QUEUED, then RUNNING); `fields` are what the row holds after the last."""
+    claims it at once: QUEUED, then RUNNING); `fields` are what the row holds after the last.
+    `returning`: SQL over the moved row, as it is after the move, whose value the move's own
+    statement returns (`Moved.said`), for a caller that would otherwise read the row again; the
+    row's columns are written `{row}.<column>` (its alias on PostgreSQL; SQLite's RETURNING knows
+    the table by its own name only)."""
     hops = [Hop(target, actor, reason, data), *(then or [])]
     states = [State(source), *(State(hop.target) for hop in hops)]
     for before, after in zip(states, states[1:], strict=False):
@@ -106,15 +114,18 @@ def transition(
                       actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
               for n, (before, hop) in enumerate(zip(states, hops, strict=False), start=1)]
     alias = router.db_for_write(Task)
+    if returning:
+        returning = returning.replace("{row}", "t" if connections[alias].vendor == "postgresql"
+                                      else connections[alias].ops.quote_name(Task._meta.db_table))
     if connections[alias].vendor == "postgresql":
-        moved = _update_and_record(row, changes, events)
+        moved, said = _update_and_record(row, changes, events, returning=returning)
     else:
         # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
         with transaction.atomic(using=alias, savepoint=False):
-            moved = bool(_update(row, changes))
+            moved, said = _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
             if moved:
                 insert_rows(events, using=alias)
-    return Moved(generation=generation + len(hops)) if moved else None
+    return Moved(generation=generation + len(hops), said=said) if moved else None
 
 
 def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
@@ -131,6 +142,19 @@ def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
         return cursor.rowcount
 
 
+def _update_returning(conditions: dict[str, Any], changes: dict[str, Any], returning: str) -> tuple[bool, tuple | None]:
+    """`_update` whose statement also returns `returning` of the row it changed: (moved, that
+    value), or (moved, None) when the change is one the ORM writes (its statement has no alias)."""
+    built = _built(conditions, changes, returning=returning)
+    if built is None:
+        return bool(_matching(conditions).update(**changes)), None
+    alias = router.db_for_write(Task)
+    with transaction.mark_for_rollback_on_error(using=alias), connections[alias].cursor() as cursor:
+        cursor.execute(*built)
+        found = cursor.fetchall()
+    return bool(found), (tuple(found[0]) if found else None)
+
+
 def _built(conditions: dict[str, Any], changes: dict[str, Any], returning: str = "") -> tuple[str, list[Any]] | None:
     matched = rows.matching(Task, conditions)
     return None if matched is None else rows.update_sql(Task, changes, *matched, returning=returning)
@@ -144,17 +168,20 @@ def _matching(conditions: dict[str, Any]) -> QuerySet:
 _EVENT_COLUMNS = ("task_id", "from_state", "to_state", "generation", "actor", "reason", "data", "at")
 
 
-def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent]) -> bool:
+def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent], *,
+                       returning: str = "") -> tuple[bool, tuple | None]:
     """The compare-and-set and its history entries in one statement (PostgreSQL): the UPDATE's
     RETURNING feeds the INSERT, so the entries exist exactly when the row moved, without a
-    transaction of their own or a second round trip."""
+    transaction of their own or a second round trip. With `returning`, the statement also
+    returns its value on the moved row: (moved, that value; None when the ORM built the UPDATE)."""
     alias = router.db_for_write(Task)
     connection = connections[alias]
     pk = connection.ops.quote_name(Task._meta.pk.column)
-    built = _built(row, changes, returning=f"t.{pk}")
+    built = _built(row, changes, returning=f"t.{pk}" + (f", ({returning}) AS said" if returning else ""))
     if built is not None:
         update_sql, update_params = built
     else:
+        returning = ""  # the ORM's UPDATE has no alias for the expression's `t`: the caller reads
         query = _matching(row).query.chain(UpdateQuery)
         query.add_update_values(changes)
         compiler = query.get_compiler(alias)
@@ -167,13 +194,19 @@ def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: lis
     names = ", ".join(f"c{n}" for n in range(1, len(fields)))
     values = [field.get_db_prep_save(getattr(event, field.attname), connection) for event in events for field in fields[1:]]
     rows = ", ".join([f"({casts})"] * len(events))
-    sql = (f"WITH moved AS ({update_sql}) "
-           f"INSERT INTO {connection.ops.quote_name(TaskEvent._meta.db_table)} ({columns}) "
-           f"SELECT moved.{pk}, {names} FROM moved CROSS JOIN (VALUES {rows}) AS entries ({names}) "
-           f"ORDER BY c{_EVENT_COLUMNS.index('generation')}")  # ids in the order of the moves
+    record = (f"INSERT INTO {connection.ops.quote_name(TaskEvent._meta.db_table)} ({columns}) "
+              f"SELECT moved.{pk}, {names} FROM moved CROSS JOIN (VALUES {rows}) AS entries ({names}) "
+              f"ORDER BY c{_EVENT_COLUMNS.index('generation')}")  # ids in the order of the moves
     with connection.cursor() as cursor:
-        cursor.execute(sql, (*update_params, *values))
-        return cursor.rowcount == len(events)
+        if not returning:
+            cursor.execute(f"WITH moved AS ({update_sql}) {record}", (*update_params, *values))
+            return cursor.rowcount == len(events), None
+        # A data-modifying WITH runs whether or not the statement reads it: the entries are
+        # written exactly when the row moved, as above.
+        cursor.execute(f"WITH moved AS ({update_sql}), recorded AS ({record}) SELECT moved.said FROM moved",
+                       (*update_params, *values))
+        found = cursor.fetchall()
+        return bool(found), (tuple(found[0]) if found else None)
 
 
 def task_update(task_id: Any, *, state: State | str, generation: int, expect: dict[str, Any] | None = None,
@@ -204,7 +237,7 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
                     data=data or {}, at=now)
     alias = router.db_for_write(Task)
     if connections[alias].vendor == "postgresql":
-        return _update_and_record(row, fields, [event])
+        return _update_and_record(row, fields, [event])[0]
     with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
         updated = bool(_update(row, fields))
         if updated:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from tasks import lifecycle
@@ -53,7 +53,7 @@ def task_move(
     with transaction.atomic():
         moved = lifecycle.transition(
             task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
-            fields=fields, data=data,
+            fields=fields, data=data, returning=_outbox_wanted() if target in TERMINAL_STATES else "",
         )
         if moved is None:
             return None
@@ -65,7 +65,8 @@ def task_move(
                    [("task", task_id), ("generation", generation)])
         if target in TERMINAL_STATES:
             slots_release(task_id, reason=f"task {target.lower()}")
-            _notification_outbox(task_id, target, moved.generation)
+            if moved.said is None or moved.said[0]:
+                _notification_outbox(task_id, target, moved.generation)
         if dead_letter_class:
             task = Task.objects.only("tenant_id", "attempts").get(pk=task_id)
             DeadLetter.objects.create(
@@ -73,6 +74,29 @@ def task_move(
                 error_code=(fields.get("error_code") or "unknown")[:64], attempts=task.attempts,
             )
     return moved
+
+
+_OUTBOX_WANTED: dict[str, str] = {}
+
+
+def _outbox_wanted() -> str:
+    """Whether a terminal move has anything to write in the outbox, said by the move's own
+    statement (SQL over the moved row, `lifecycle.transition`'s `returning`): a callback URL, the task's or its tenant's, or an older
+    event still pending there. Most tasks have neither, and their move then reads nothing more."""
+    if connection.vendor not in _OUTBOX_WANTED:
+        quote = connection.ops.quote_name
+        tenant, notification = Task._meta.get_field("tenant"), Notification._meta.get_field("task")
+        pending = Notification.Status.PENDING.value
+        assert pending.isidentifier()  # written into the statement as it is
+        _OUTBOX_WANTED[connection.vendor] = (
+            f"CASE WHEN COALESCE({{row}}.{quote(Task._meta.get_field('callback_url').column)}, '') <> '' "
+            f"OR EXISTS (SELECT 1 FROM {quote(tenant.related_model._meta.db_table)} o "
+            f"WHERE o.{quote(tenant.target_field.column)} = {{row}}.{quote(tenant.column)} "
+            f"AND o.{quote(tenant.related_model._meta.get_field('callback_url').column)} <> '') "
+            f"OR EXISTS (SELECT 1 FROM {quote(Notification._meta.db_table)} n "
+            f"WHERE n.{quote(notification.column)} = {{row}}.{quote(Task._meta.pk.column)} "
+            f"AND n.{quote(Notification._meta.get_field('status').column)} = '{pending}') THEN 1 ELSE 0 END")
+    return _OUTBOX_WANTED[connection.vendor]
 
 
 def _notification_outbox(task_id: Any, target: State, generation: int) -> None:
