@@ -3,10 +3,12 @@ for. A lost message is re-sent by the dispatcher; a duplicated one loses its com
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -39,15 +41,23 @@ def send(func: str, *args: Any, cluster: str | None = None, name: str = "", time
     False instead of failing the request or step that sent it. (The ORM broker's errors are the
     database's own and propagate with its transaction.)"""
     cluster = cluster or control_cluster()
-    costs.count("queue_messages")
+    return _handed(cluster, lambda broker: _package(func, args, cluster=cluster, broker=broker, name=name, timeout=timeout),
+                   operation=func, count=1)
+
+
+def _handed(cluster: str, hand: Callable[[Broker], None], *, operation: str, count: int) -> bool:
+    """`count` messages handed to the cluster's broker by `hand(broker)`; False when that broker
+    failed a moment ago (no timeout waited out again for each send) or fails now."""
+    for _ in range(count):
+        costs.count("queue_messages")
     if time.monotonic() < _unreachable_until.get((os.getpid(), cluster), 0.0):
-        return False  # it just failed: the next sends do not each wait out a timeout
+        return False
     try:
-        _package(func, args, cluster=cluster, broker=_broker(cluster), name=name, timeout=timeout)
+        hand(_broker(cluster))
     except _broker_errors() as exc:
         _unreachable_until[(os.getpid(), cluster)] = time.monotonic() + BROKER_RETRY_S
-        log_event("queue_unreachable", logging.WARNING, operation=func, reason=type(exc).__name__,
-                  decision="the dispatcher sends it again")
+        log_event("queue_unreachable", logging.WARNING, operation=operation, reason=type(exc).__name__, count=count,
+                  decision="the dispatcher sends them again")
         return False
     return True
 
@@ -176,24 +186,19 @@ def _send_many(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any]
         by_cluster.setdefault(lane or control_cluster(), []).append((task_id, generation, lane))
     unsent: list[Any] = []
     for cluster, sent in by_cluster.items():
-        for _ in sent:
-            costs.count("queue_messages")
-        if time.monotonic() < _unreachable_until.get((os.getpid(), cluster), 0.0):
-            unsent += [task_id for task_id, _, _ in sent]  # it just failed: not a timeout per lane
-            continue
-        broker = _broker(cluster)
-        collected = _Collected(broker.list_key)
-        for task_id, generation, lane in sent:
-            func, args, name, timeout = _step_message(step, task_id, generation, lane)
-            _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
-        try:
-            _enqueue_many(broker, collected.packages)
-        except _broker_errors() as exc:
-            _unreachable_until[(os.getpid(), cluster)] = time.monotonic() + BROKER_RETRY_S
-            log_event("queue_unreachable", logging.WARNING, operation=step, reason=type(exc).__name__,
-                      count=len(sent), decision="the dispatcher sends them again")
+        hand = functools.partial(_hand_steps, step=step, cluster=cluster, tasks=sent)
+        if not _handed(cluster, hand, operation=step, count=len(sent)):
             unsent += [task_id for task_id, _, _ in sent]
     return unsent
+
+
+def _hand_steps(broker: Broker, *, step: str, cluster: str, tasks: list[tuple[Any, int, str | None]]) -> None:
+    """A cluster's step messages, packaged, then handed to its broker at once."""
+    collected = _Collected(broker.list_key)
+    for task_id, generation, lane in tasks:
+        func, args, name, timeout = _step_message(step, task_id, generation, lane)
+        _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
+    _enqueue_many(broker, collected.packages)
 
 
 def _enqueue_many(broker: Broker, packages: list[str]) -> None:
