@@ -4,9 +4,13 @@
   /bench/bare only when SLUICE_BENCH_VIEWS=1).
 - `noop`: a django-q2 task that does nothing (the baseline of the queue); the benchmark times how
   long the broker takes to drain a batch of them.
+- `ran`: a django-q2 task that leaves a file behind, so the benchmark knows a cluster has run it
+  (a lane's message leaves its queue when it is taken, before it runs).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -22,3 +26,7 @@ def bare_view(request: HttpRequest) -> JsonResponse:
 
 def noop(marker: int) -> None:
     return None
+
+
+def ran(marker: str) -> None:
+    Path(marker).touch()

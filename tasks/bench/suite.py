@@ -123,11 +123,12 @@ class Bench:
         from django_q.brokers import get_broker
         from django_q.tasks import async_task
 
-        brokers = [get_broker(name) for name in clusters]
-        for name, broker in zip(clusters, brokers, strict=True):
-            async_task("tasks.bench.reference.noop", 0, cluster=name, broker=broker)
+        markers = []
+        for name in clusters:
+            markers.append(self.workdir / f"ran-{name}-{uuid.uuid4().hex}")
+            async_task("tasks.bench.reference.ran", str(markers[-1]), cluster=name, broker=get_broker(name))
         deadline = time.monotonic() + timeout
-        while any(b.queue_size() or (hasattr(b, "lock_size") and b.lock_size()) for b in brokers):
+        while not all(marker.exists() for marker in markers):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the clusters {clusters} did not take a message within {timeout:.0f} s")
             time.sleep(0.05)
