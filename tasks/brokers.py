@@ -57,7 +57,7 @@ class Orm(ORM):
         """django-q2's: up to BULK messages due, each claimed by moving its lock forward only if
         no other cluster moved it first (here in one statement, where django-q2 reads them and
         then claims each); None (after a pause of POLL) when none is due."""
-        if router.db_for_read(OrmQ) != Conf.ORM or router.db_for_write(OrmQ) != Conf.ORM:
+        if not self._statements_of_its_own():
             return super().dequeue()
         self.get_connection()  # old connections closed outside a transaction, as django-q2's does
         now = timezone.now()
@@ -71,8 +71,15 @@ class Orm(ORM):
         return claimed
 
     def _takes_by_deleting(self) -> bool:
-        """A lane's cluster: its messages are triggers of steps (this module's docstring)."""
-        return self.list_key in settings.LANES
+        """A lane's cluster: its messages are triggers of steps (this module's docstring), taken
+        by deleting them (where django-q2's own claim runs instead, its acknowledgement deletes)."""
+        return self.list_key in settings.LANES and self._statements_of_its_own()
+
+    @staticmethod
+    def _statements_of_its_own() -> bool:
+        """The messages live in Conf.ORM's database, where this broker's statements run (a router
+        that sends them elsewhere leaves the poll and the claim to django-q2's code)."""
+        return router.db_for_read(OrmQ) == Conf.ORM and router.db_for_write(OrmQ) == Conf.ORM
 
 
 def _taken(alias: str, key: str, now: datetime) -> list[tuple[Any, str]]:

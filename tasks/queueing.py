@@ -186,19 +186,16 @@ def _send_many(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any]
         by_cluster.setdefault(lane or control_cluster(), []).append((task_id, generation, lane))
     unsent: list[Any] = []
     for cluster, sent in by_cluster.items():
-        hand = functools.partial(_hand_steps, step=step, cluster=cluster, tasks=sent)
+        # Packaged before the broker is called (in django-q2's sync mode packaging runs the step:
+        # what it raises is the step's, not the broker's).
+        collected = _Collected(_broker(cluster).list_key)
+        for task_id, generation, lane in sent:
+            func, args, name, timeout = _step_message(step, task_id, generation, lane)
+            _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
+        hand = functools.partial(_enqueue_many, packages=collected.packages)
         if not _handed(cluster, hand, operation=step, count=len(sent)):
             unsent += [task_id for task_id, _, _ in sent]
     return unsent
-
-
-def _hand_steps(broker: Broker, *, step: str, cluster: str, tasks: list[tuple[Any, int, str | None]]) -> None:
-    """A cluster's step messages, packaged, then handed to its broker at once."""
-    collected = _Collected(broker.list_key)
-    for task_id, generation, lane in tasks:
-        func, args, name, timeout = _step_message(step, task_id, generation, lane)
-        _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
-    _enqueue_many(broker, collected.packages)
 
 
 def _enqueue_many(broker: Broker, packages: list[str]) -> None:

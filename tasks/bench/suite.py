@@ -130,8 +130,10 @@ class Bench:
         deadline = time.monotonic() + timeout
         while not all(marker.exists() for marker in markers):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the clusters {clusters} did not take a message within {timeout:.0f} s")
+                raise RuntimeError(f"the clusters {clusters} did not run a message within {timeout:.0f} s")
             time.sleep(0.05)
+        for marker in markers:
+            marker.unlink()
 
     def stop_workers(self) -> None:
         for name in [n for n in self.stack.processes if n.startswith(("cluster", "dispatcher"))]:

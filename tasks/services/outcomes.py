@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import connections, router, transaction
 from django.utils import timezone
 
 from tasks import lifecycle
@@ -83,6 +83,7 @@ def _outbox_wanted() -> str:
     """Whether a terminal move has anything to write in the outbox, said by the move's own
     statement (SQL over the moved row, `lifecycle.transition`'s `returning`): a callback URL, the task's or its tenant's, or an older
     event still pending there. Most tasks have neither, and their move then reads nothing more."""
+    connection = connections[router.db_for_write(Task)]  # where the move's statement runs
     if connection.vendor not in _OUTBOX_WANTED:
         quote = connection.ops.quote_name
         tenant, notification = Task._meta.get_field("tenant"), Notification._meta.get_field("task")
