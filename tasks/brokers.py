@@ -87,17 +87,10 @@ def _taken(alias: str, key: str, now: datetime) -> list[tuple[Any, str]]:
     them: a message another pusher took first is gone, and not taken again (PostgreSQL checks the
     condition again on the row it waited for)."""
     connection = connections[alias]
-    quote = connection.ops.quote_name
-
-    def column(name: str) -> str:
-        return quote(OrmQ._meta.get_field(name).column)
-
-    table, pk, lock = quote(OrmQ._meta.db_table), column("id"), column("lock")
-    due = OrmQ._meta.get_field("lock").get_db_prep_value(now, connection)
+    table, due, read = _oldest_due(connection, outer="")
+    now = OrmQ._meta.get_field("lock").get_db_prep_value(now, connection)
     with connection.cursor() as cursor:
-        cursor.execute(f"DELETE FROM {table} WHERE {pk} IN (SELECT q.{pk} FROM {table} q WHERE q.{column('key')} = %s "
-                       f"AND q.{lock} < %s ORDER BY q.{pk} LIMIT %s) AND {lock} < %s RETURNING {pk}, {column('payload')}",
-                       [key, due, Conf.BULK, due])
+        cursor.execute(f"DELETE FROM {table} WHERE {due} RETURNING {read}", [key, now, Conf.BULK, now])
         return sorted((row[0], row[1]) for row in cursor.fetchall())
 
 
@@ -107,17 +100,24 @@ def _claimed(alias: str, key: str, now: datetime, until: datetime) -> list[tuple
     not claimed again (PostgreSQL checks that condition again on the row it waited for). On
     SQLite a poll that finds nothing also takes the write lock, for an instant: a read first would
     spare it that, at one statement more for every message."""
-    quote = connections[alias].ops.quote_name
+    _, due, read = _oldest_due(connections[alias], outer="t.")
+    built = update_sql(OrmQ, {"lock": until}, due,
+                       [("key", key), ("lock", now), (None, Conf.BULK), ("lock", now)], returning=read)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(*built)
+        return sorted((row[0], row[1]) for row in cursor.fetchall())
+
+
+def _oldest_due(connection: Any, *, outer: str) -> tuple[str, str, str]:
+    """The message table, the condition "among a key's BULK oldest due messages, and still due"
+    over the rows the statement changes (named with the prefix `outer`; parameters: the key, now,
+    BULK, now), and the columns a pusher reads back."""
+    quote = connection.ops.quote_name
 
     def column(name: str) -> str:
         return quote(OrmQ._meta.get_field(name).column)
 
     table, pk, lock = quote(OrmQ._meta.db_table), column("id"), column("lock")
-    built = update_sql(OrmQ, {"lock": until},
-                       f"t.{pk} IN (SELECT q.{pk} FROM {table} q WHERE q.{column('key')} = %s AND q.{lock} < %s "
-                       f"ORDER BY q.{pk} LIMIT %s) AND t.{lock} < %s",
-                       [("key", key), ("lock", now), (None, Conf.BULK), ("lock", now)],
-                       returning=f"{pk}, {column('payload')}")
-    with connections[alias].cursor() as cursor:
-        cursor.execute(*built)
-        return sorted((row[0], row[1]) for row in cursor.fetchall())
+    due = (f"{outer}{pk} IN (SELECT q.{pk} FROM {table} q WHERE q.{column('key')} = %s AND q.{lock} < %s "
+           f"ORDER BY q.{pk} LIMIT %s) AND {outer}{lock} < %s")
+    return table, due, f"{pk}, {column('payload')}"

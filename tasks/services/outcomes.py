@@ -81,8 +81,9 @@ _OUTBOX_WANTED: dict[str, str] = {}
 
 def _outbox_wanted() -> str:
     """Whether a terminal move has anything to write in the outbox, said by the move's own
-    statement (SQL over the moved row, `lifecycle.transition`'s `returning`): a callback URL, the task's or its tenant's, or an older
-    event still pending there. Most tasks have neither, and their move then reads nothing more."""
+    statement (SQL over the moved row, `lifecycle.transition`'s `returning`): a callback URL, the
+    task's or its tenant's, or an older event still pending there. Most tasks have neither, and
+    their move then reads nothing more."""
     connection = connections[router.db_for_write(Task)]  # where the move's statement runs
     if connection.vendor not in _OUTBOX_WANTED:
         quote = connection.ops.quote_name
