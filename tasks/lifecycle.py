@@ -57,9 +57,9 @@ def is_allowed(source: State | str, target: State | str) -> bool:
 
 @dataclass(frozen=True)
 class Moved:
-    """A transition that happened: the task is now at `generation`. `said`: the value of the
-    move's `returning` expression on the moved row (None: none asked, or the change was one the
-    ORM writes, whose statement does not carry it: the caller reads the row instead)."""
+    """A transition that happened: the task is now at `generation`. `said`: the values of the
+    move's `returning` expressions on the moved row (None: none asked, or the change was one the
+    ORM writes, whose statement does not carry them: the caller reads the row instead)."""
 
     generation: int
     said: tuple | None = None
@@ -88,17 +88,17 @@ def transition(
     data: dict[str, Any] | None = None,
     at: datetime | None = None,
     then: list[Hop] | None = None,
-    returning: str = "",
+    returning: tuple[str, ...] = (),
 ) -> Moved | None:
     """Move a task from `source` at `generation` to `target`; None if it was not there any more.
     `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too.
     `then`: transitions on from `target` made in the same compare-and-set, each allowed by the
     table and each with its history entry and its generation (a worker that admits a task and
     claims it at once: QUEUED, then RUNNING); `fields` are what the row holds after the last.
-    `returning`: SQL over the moved row, as it is after the move, whose value the move's own
-    statement returns (`Moved.said`), for a caller that would otherwise read the row again; the
-    row's columns are written `{row}.<column>` (its alias on PostgreSQL; SQLite's RETURNING knows
-    the table by its own name only)."""
+    `returning`: SQL expressions over the moved row, as it is after the move, whose values the
+    move's own statement returns (`Moved.said`, in their order), for a caller that would otherwise
+    read the row again; the row's columns are written `{row}.<column>` (its alias on PostgreSQL;
+    SQLite's RETURNING knows the table by its own name only)."""
     hops = [Hop(target, actor, reason, data), *(then or [])]
     states = [State(source), *(State(hop.target) for hop in hops)]
     for before, after in zip(states, states[1:], strict=False):
@@ -114,9 +114,7 @@ def transition(
                       actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
               for n, (before, hop) in enumerate(zip(states, hops, strict=False), start=1)]
     alias = router.db_for_write(Task)
-    if returning:
-        returning = returning.replace("{row}", "t" if connections[alias].vendor == "postgresql"
-                                      else connections[alias].ops.quote_name(Task._meta.db_table))
+    returning = _over_the_row(returning, alias)
     if connections[alias].vendor == "postgresql":
         moved, said = _update_and_record(row, changes, events, returning=returning)
     else:
@@ -126,6 +124,15 @@ def transition(
             if moved:
                 insert_rows(events, using=alias)
     return Moved(generation=generation + len(hops), said=said) if moved else None
+
+
+def _over_the_row(returning: tuple[str, ...], alias: str) -> tuple[str, ...]:
+    """`returning`'s expressions with the moved row named as the database's UPDATE knows it."""
+    if not returning:
+        return ()
+    connection = connections[alias]
+    table = "t" if connection.vendor == "postgresql" else connection.ops.quote_name(Task._meta.db_table)
+    return tuple(expression.replace("{row}", table) for expression in returning)
 
 
 def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
@@ -142,10 +149,11 @@ def _update(conditions: dict[str, Any], changes: dict[str, Any]) -> int:
         return cursor.rowcount
 
 
-def _update_returning(conditions: dict[str, Any], changes: dict[str, Any], returning: str) -> tuple[bool, tuple | None]:
-    """`_update` whose statement also returns `returning` of the row it changed: (moved, that
-    value), or (moved, None) when the change is one the ORM writes (its statement has no alias)."""
-    built = _built(conditions, changes, returning=returning)
+def _update_returning(conditions: dict[str, Any], changes: dict[str, Any],
+                      returning: tuple[str, ...]) -> tuple[bool, tuple | None]:
+    """`_update` whose statement also returns `returning` of the row it changed: (moved, their
+    values), or (moved, None) when the change is one the ORM writes (its statement has no alias)."""
+    built = _built(conditions, changes, returning=", ".join(returning))
     if built is None:
         return bool(_matching(conditions).update(**changes)), None
     alias = router.db_for_write(Task)
@@ -169,19 +177,21 @@ _EVENT_COLUMNS = ("task_id", "from_state", "to_state", "generation", "actor", "r
 
 
 def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent], *,
-                       returning: str = "") -> tuple[bool, tuple | None]:
+                       returning: tuple[str, ...] = ()) -> tuple[bool, tuple | None]:
     """The compare-and-set and its history entries in one statement (PostgreSQL): the UPDATE's
     RETURNING feeds the INSERT, so the entries exist exactly when the row moved, without a
     transaction of their own or a second round trip. With `returning`, the statement also
-    returns its value on the moved row: (moved, that value; None when the ORM built the UPDATE)."""
+    returns their values on the moved row: (moved, those values; None when the ORM built the UPDATE)."""
     alias = router.db_for_write(Task)
     connection = connections[alias]
     pk = connection.ops.quote_name(Task._meta.pk.column)
-    built = _built(row, changes, returning=f"t.{pk}" + (f", ({returning}) AS said" if returning else ""))
+    said = [f"said{n}" for n in range(len(returning))]
+    read = [f"({expression}) AS {name}" for expression, name in zip(returning, said, strict=True)]
+    built = _built(row, changes, returning=", ".join([f"t.{pk}", *read]))
     if built is not None:
         update_sql, update_params = built
     else:
-        returning = ""  # the ORM's UPDATE has no alias for the expression's `t`: the caller reads
+        returning = ()  # the ORM's UPDATE has no alias for the expressions' `t`: the caller reads
         query = _matching(row).query.chain(UpdateQuery)
         query.add_update_values(changes)
         compiler = query.get_compiler(alias)
@@ -203,7 +213,8 @@ def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: lis
             return cursor.rowcount == len(events), None
         # A data-modifying WITH runs whether or not the statement reads it: the entries are
         # written exactly when the row moved, as above.
-        cursor.execute(f"WITH moved AS ({update_sql}), recorded AS ({record}) SELECT moved.said FROM moved",
+        cursor.execute(f"WITH moved AS ({update_sql}), recorded AS ({record}) "
+                       f"SELECT {', '.join(f'moved.{name}' for name in said)} FROM moved",
                        (*update_params, *values))
         found = cursor.fetchall()
         return bool(found), (tuple(found[0]) if found else None)
@@ -225,9 +236,11 @@ _CAS_KEYS = {"id", "pk", "state", "generation"}
 
 
 def task_update_recorded(task_id: Any, *, state: State | str, generation: int, actor: str, reason: str,
-                         data: dict | None = None, **fields: Any) -> bool:
+                         data: dict | None = None, returning: tuple[str, ...] = (), **fields: Any) -> Moved | None:
     """`task_update` and a history entry of it (a finding, not a state change), the entry written
-    when the row was: one statement on PostgreSQL (as a transition's), two on SQLite."""
+    when the row was: one statement on PostgreSQL (as a transition's), two on SQLite. None if the
+    task was not there any more; else the task at the same generation, with what `returning`
+    said (as `transition`'s)."""
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     now = timezone.now()
@@ -236,13 +249,15 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
     event = new_row(TaskEvent, task_id=task_id, generation=generation, actor=actor[:100], reason=reason[:300],
                     data=data or {}, at=now)
     alias = router.db_for_write(Task)
+    returning = _over_the_row(returning, alias)
     if connections[alias].vendor == "postgresql":
-        return _update_and_record(row, fields, [event])[0]
-    with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
-        updated = bool(_update(row, fields))
-        if updated:
-            insert_rows([event], using=alias)
-    return updated
+        updated, said = _update_and_record(row, fields, [event], returning=returning)
+    else:
+        with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
+            updated, said = _update_returning(row, fields, returning) if returning else (bool(_update(row, fields)), None)
+            if updated:
+                insert_rows([event], using=alias)
+    return Moved(generation=generation, said=said) if updated else None
 
 
 def record_event(task_id: Any, *, generation: int, actor: str, reason: str, data: dict | None = None) -> None:

@@ -35,8 +35,27 @@ def entry_point(handler: F) -> F:
 
 @entry_point
 def run_step(step: str, task_id: str, generation: int) -> str:
-    from tasks.services import execution, intake
     from tasks.services.dispatch import dispatch_soon
+    from tasks.services.outcomes import listening
+
+    with listening() as heard:
+        step, outcome = _steps(step, task_id, generation)
+    if step == "precheck" or outcome in ("stale", "busy", "lost_claim"):
+        return outcome
+    # A task that left its slots in a terminal move heard there whether any lane waits for them;
+    # otherwise its row says whether it left them, and the lanes are read.
+    waiting = heard.get(str(task_id))
+    if waiting or (waiting is None and _left_its_slots(task_id, outcome)):
+        # Its vendor slot is shared by every lane, so the lanes are offered it in dispatch order
+        # (interactive first), not only the task's own lane.
+        dispatch_soon(None)
+    return outcome
+
+
+def _steps(step: str, task_id: str, generation: int) -> tuple[str, str]:
+    """Run the message's step, and the start of a task its pre-check admitted into this very
+    lane: (the step that ran last, its outcome)."""
+    from tasks.services import execution, intake
 
     handlers = {
         "precheck": functools.partial(intake.task_precheck_and_route_here, worker_lane=os.environ.get("Q_CLUSTER_NAME")),
@@ -72,11 +91,7 @@ def run_step(step: str, task_id: str, generation: int) -> str:
         outcome = execution.step_start(task_id, generation, task=admitted)
         log_event("step", step=step, task_id=task_id, generation=generation, decision=outcome,
                   duration_ms=int((time.monotonic() - started) * 1000))
-    if step != "precheck" and outcome not in ("stale", "busy", "lost_claim") and _left_its_slots(task_id, outcome):
-        # The task left its slots. Its vendor slot is shared by every lane, so the lanes are
-        # offered it in dispatch order (interactive first), not only the task's own lane.
-        dispatch_soon(None)
-    return outcome
+    return step, outcome
 
 
 def _dispatched_here(task_id: str) -> dict | None:

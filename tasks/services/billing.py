@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connections, router, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -63,6 +63,16 @@ def job_cause(job: VendorJob) -> str:
     if job.status == "unknown":
         return f"billed by the vendor under {job.client_ref or 'an operation of this task'}; Sluice never saw the job (a lost answer)"
     return "another operation of the same task"
+
+
+def several_jobs_sql() -> str:
+    """Whether a task has more than one vendor job (1 or 0), as SQL over its row written `{row}`
+    (`lifecycle`'s `returning`), for the database its moves are written to: a move that asks this
+    in its own statement runs task_billing_check only when the check has something to find."""
+    quote = connections[router.db_for_write(Task)].ops.quote_name
+    job = VendorJob._meta.get_field("task")
+    return (f"CASE WHEN (SELECT COUNT(*) FROM {quote(VendorJob._meta.db_table)} j "
+            f"WHERE j.{quote(job.column)} = {{row}}.{quote(Task._meta.pk.column)}) > 1 THEN 1 ELSE 0 END")
 
 
 def task_billing_check(task_id: Any) -> DuplicateIncident | None:

@@ -7,15 +7,20 @@ running, releases budget reservations when a task finishes, writes the terminal 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, router, transaction
 from django.utils import timezone
 
-from tasks import lifecycle
+from tasks import counters, lifecycle
 from tasks.models import Attempt, DeadLetter, Notification, Task
 from tasks.rows import select, update
 from tasks.scheduling.budgets import slots_release
+from tasks.services.billing import several_jobs_sql
 from tasks.services.notifications import event_payload
 from tasks.states import TERMINAL_STATES, State
 
@@ -26,6 +31,40 @@ EVENT_TYPES = {
     State.CANCELLED: "task.cancelled",
     State.EXPIRED: "task.expired",
 }
+
+# What the terminal moves made in this context said of the lanes, by task: whether some lane held
+# tasks waiting for admission as the task left its slots (see `listening`).
+_HEARD: ContextVar[dict[str, bool] | None] = ContextVar("lanes_waiting_heard", default=None)
+
+
+@dataclass(frozen=True)
+class Left:
+    """What a terminal move's own statement said of what the task leaves behind (its `returning`),
+    so that what comes after the move reads only what there is."""
+
+    outbox: bool  # a callback URL (the task's or its tenant's), or an older event still pending
+    several_jobs: bool  # more than one vendor job recorded for the task: its billing check has work
+    lanes_waiting: bool  # some lane holds tasks waiting for admission: the slots it frees are wanted
+
+    @classmethod
+    def of(cls, moved: lifecycle.Moved | None) -> Left | None:
+        """What the move said; None if it did not move, or said nothing (the caller reads instead)."""
+        if moved is None or moved.said is None or len(moved.said) != 3:
+            return None
+        return cls(*(bool(value) for value in moved.said))
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[dict[str, bool]]:
+    """Hear what the terminal moves made inside the block said of the lanes: task id → whether
+    some lane held tasks waiting for admission as it left (a worker's step learns so whether the
+    slots its task left are wanted without reading the lanes again)."""
+    heard: dict[str, bool] = {}
+    token = _HEARD.set(heard)
+    try:
+        yield heard
+    finally:
+        _HEARD.reset(token)
 
 
 def task_move(
@@ -53,10 +92,11 @@ def task_move(
     with transaction.atomic():
         moved = lifecycle.transition(
             task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
-            fields=fields, data=data, returning=_outbox_wanted() if target in TERMINAL_STATES else "",
+            fields=fields, data=data, returning=_left_behind() if target in TERMINAL_STATES else (),
         )
         if moved is None:
             return None
+        left = Left.of(moved)
         if attempt_outcome:
             update(Attempt, {"ended_at": now, "outcome": attempt_outcome,
                              "error_code": (fields.get("error_code") or "")[:64],
@@ -65,8 +105,11 @@ def task_move(
                    [("task", task_id), ("generation", generation)])
         if target in TERMINAL_STATES:
             slots_release(task_id, reason=f"task {target.lower()}")
-            if moved.said is None or moved.said[0]:
+            if left is None or left.outbox:
                 _notification_outbox(task_id, target, moved.generation)
+            heard = _HEARD.get()
+            if left is not None and heard is not None:
+                heard[str(task_id)] = left.lanes_waiting
         if dead_letter_class:
             task = Task.objects.only("tenant_id", "attempts").get(pk=task_id)
             DeadLetter.objects.create(
@@ -76,29 +119,35 @@ def task_move(
     return moved
 
 
-_OUTBOX_WANTED: dict[str, str] = {}
+_LEFT_BEHIND: dict[str, tuple[str, str, str]] = {}
 
 
-def _outbox_wanted() -> str:
-    """Whether a terminal move has anything to write in the outbox, said by the move's own
-    statement (SQL over the moved row, `lifecycle.transition`'s `returning`): a callback URL, the
-    task's or its tenant's, or an older event still pending there. Most tasks have neither, and
-    their move then reads nothing more."""
+def _left_behind() -> tuple[str, str, str]:
+    """What a terminal move's own statement says of what the task leaves behind (`Left`), as SQL
+    over the moved row (`lifecycle.transition`'s `returning`): whether the outbox has anything to
+    write (a callback URL, the task's or its tenant's, or an older event still pending there),
+    whether the task has more than one vendor job (its billing check), whether any lane holds
+    tasks waiting for admission. Most tasks have no callback and one job, and most moves find no
+    lane waiting: nothing more is read for them."""
     connection = connections[router.db_for_write(Task)]  # where the move's statement runs
-    if connection.vendor not in _OUTBOX_WANTED:
+    if connection.vendor not in _LEFT_BEHIND:
         quote = connection.ops.quote_name
         tenant, notification = Task._meta.get_field("tenant"), Notification._meta.get_field("task")
+        pk = f"{{row}}.{quote(Task._meta.pk.column)}"
         pending = Notification.Status.PENDING.value
         assert pending.isidentifier()  # written into the statement as it is
-        _OUTBOX_WANTED[connection.vendor] = (
+        outbox = (
             f"CASE WHEN COALESCE({{row}}.{quote(Task._meta.get_field('callback_url').column)}, '') <> '' "
             f"OR EXISTS (SELECT 1 FROM {quote(tenant.related_model._meta.db_table)} o "
             f"WHERE o.{quote(tenant.target_field.column)} = {{row}}.{quote(tenant.column)} "
             f"AND o.{quote(tenant.related_model._meta.get_field('callback_url').column)} <> '') "
             f"OR EXISTS (SELECT 1 FROM {quote(Notification._meta.db_table)} n "
-            f"WHERE n.{quote(notification.column)} = {{row}}.{quote(Task._meta.pk.column)} "
+            f"WHERE n.{quote(notification.column)} = {pk} "
             f"AND n.{quote(Notification._meta.get_field('status').column)} = '{pending}') THEN 1 ELSE 0 END")
-    return _OUTBOX_WANTED[connection.vendor]
+        several_jobs = several_jobs_sql()
+        lanes_waiting = f"CASE WHEN EXISTS ({counters.LANES_WITH_QUEUED}) THEN 1 ELSE 0 END"
+        _LEFT_BEHIND[connection.vendor] = (outbox, several_jobs, lanes_waiting)
+    return _LEFT_BEHIND[connection.vendor]
 
 
 def _notification_outbox(task_id: Any, target: State, generation: int) -> None:

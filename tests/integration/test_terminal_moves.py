@@ -1,6 +1,8 @@
-"""A terminal move and its outbox: the move's own statement says whether there is anything to
-write there (a callback URL, the task's or its tenant's, or an older event still pending), so a
-task with neither reads nothing more; one with either gets its notification as before."""
+"""A terminal move says in its own statement what the task leaves behind: whether the outbox has
+anything to write (a callback URL, the task's or its tenant's, or an older event still pending),
+whether the task has more than one vendor job (its billing check), whether any lane holds tasks
+waiting for admission (the slots it frees). A task with none of them reads nothing more; one
+with any gets what it had before."""
 
 from __future__ import annotations
 
@@ -10,9 +12,25 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from tasks.models import FileVersion, Notification, Task, TaskEvent
-from tasks.services.outcomes import task_move
+from tasks import counters, workers
+from tasks.models import (
+    DuplicateIncident,
+    FileVersion,
+    Lane,
+    Notification,
+    Task,
+    TaskEvent,
+    VendorChannel,
+    VendorJob,
+)
+from tasks.poc import files
+from tasks.services import intake
+from tasks.services.outcomes import Left, task_move
 from tasks.states import State
+from tests.conftest import CHANNEL_DEFAULTS
+from tests.support.flows import submit_file
+
+NOTHING = Left(outbox=False, several_jobs=False, lanes_waiting=False)
 
 
 def _task(tenant, **extra) -> Task:
@@ -31,7 +49,7 @@ def test_a_terminal_move_of_a_task_nobody_listens_to_reads_nothing_after_it(tena
     task = _task(tenant)
     with CaptureQueriesContext(connection) as statements:
         moved = _fail(task)
-    assert moved is not None and moved.said == (0,)
+    assert Left.of(moved) == NOTHING
     assert not [q["sql"] for q in statements.captured_queries if q["sql"].lstrip().upper().startswith("SELECT")]
     assert Task.objects.get(pk=task.pk).state == State.FAILED
     assert TaskEvent.objects.filter(task=task, to_state=State.FAILED).count() == 1
@@ -40,11 +58,11 @@ def test_a_terminal_move_of_a_task_nobody_listens_to_reads_nothing_after_it(tena
 
 def test_a_terminal_move_writes_the_notification_of_a_task_or_tenant_with_a_callback(tenant):
     listened = _task(tenant, callback_url="https://hooks.example.com/task")
-    assert _fail(listened).said == (1,)
+    assert Left.of(_fail(listened)).outbox
     tenant.callback_url = "https://hooks.example.com/tenant"
     tenant.save()
     by_tenant = _task(tenant)
-    assert _fail(by_tenant).said == (1,)
+    assert Left.of(_fail(by_tenant)).outbox
     sent = {n.task_id: (n.url, n.event_type, n.status) for n in Notification.objects.all()}
     assert sent == {listened.pk: ("https://hooks.example.com/task", "task.failed", Notification.Status.PENDING),
                     by_tenant.pk: ("https://hooks.example.com/tenant", "task.failed", Notification.Status.PENDING)}
@@ -58,8 +76,91 @@ def test_an_older_event_still_pending_is_superseded_though_nobody_listens_any_mo
                                         next_attempt_at=timezone.now())
     Task.objects.filter(pk=task.pk).update(generation=task.generation + 1)
     task.refresh_from_db()
-    moved = _fail(task)
-    assert moved.said == (1,)
+    assert Left.of(_fail(task)).outbox
     older.refresh_from_db()
     assert older.status == Notification.Status.SUPERSEDED
     assert Notification.objects.filter(task=task).count() == 1
+
+
+def _job(task: Task, n: int) -> VendorJob:
+    return VendorJob.objects.create(channel=VendorChannel.objects.get(name="primary"), task=task,
+                                    vendor_job_id=f"job-{task.pk}-{n}", client_ref=f"{task.pk}-{n}")
+
+
+def test_a_terminal_move_says_whether_the_task_has_more_than_one_vendor_job(tenant):
+    one, two = _task(tenant), _task(tenant)
+    _job(one, 1)
+    _job(two, 1), _job(two, 2)
+    assert Left.of(_fail(one)) == NOTHING
+    assert Left.of(_fail(two)) == Left(outbox=False, several_jobs=True, lanes_waiting=False)
+
+
+def test_a_terminal_move_says_whether_a_lane_holds_tasks_waiting_for_admission(transactional_db, tenant):
+    # Committed, not in a test's transaction: PostgreSQL's counters move when the writer commits.
+    waiting = _task(tenant, lane_id="batch", state=State.QUEUED)
+    admitted = _task(tenant, lane_id="batch", state=State.QUEUED, dispatched_at=timezone.now())
+    assert Left.of(_fail(_task(tenant))).lanes_waiting
+    Task.objects.filter(pk=waiting.pk).update(dispatched_at=timezone.now())
+    assert Left.of(_fail(_task(tenant))) == NOTHING, "a task admitted and not yet started waits for no slot"
+    Task.objects.filter(pk=admitted.pk).update(lane_id="interactive", dispatched_at=None)
+    assert Left.of(_fail(_task(tenant))).lanes_waiting, "any lane's waiting task counts"
+
+
+# --- at the end of a worker's step ---------------------------------------------------------------
+def _at_once(vendor) -> None:
+    """The vendor answers the create with the job completed: the start step fetches it and ends the task."""
+    vendor.control.channel("primary", **{**CHANNEL_DEFAULTS, "processing_ms": 0, "queue_ms": 0})
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+
+
+def _billing_checks(statements) -> list[str]:
+    return [q["sql"] for q in statements.captured_queries
+            if VendorJob._meta.db_table in q["sql"] and "ORDER BY t.created_at, t.id" in q["sql"]]
+
+
+def _lanes_read(statements) -> list[str]:
+    """The reads of which lanes hold waiting tasks (dispatch.lanes_with_waiting_work), not the moves that ask it."""
+    return [q["sql"] for q in statements.captured_queries
+            if q["sql"].lstrip().upper().startswith("SELECT") and counters.LANES_WITH_QUEUED in q["sql"]]
+
+
+def test_a_task_that_succeeds_with_one_job_while_no_lane_waits_reads_neither_its_jobs_nor_the_lanes(
+        vendor, api, monkeypatch):
+    _at_once(vendor)
+    monkeypatch.setenv("Q_CLUSTER_NAME", "interactive")  # this worker runs the lane: it starts the task itself
+    task = Task.objects.get(pk=submit_file(api, priority="interactive"))
+    with CaptureQueriesContext(connection) as statements:
+        assert workers.run_step("precheck", str(task.pk), task.generation) == "succeeded"
+    assert not _billing_checks(statements), "the task's jobs were read for a billing check though it has one"
+    assert not _lanes_read(statements), "the lanes were read though none held a task waiting"
+    assert vendor.control.invariants()["billed_jobs"] == 1
+
+
+def test_the_slots_a_finished_task_leaves_go_at_once_to_the_task_waiting_for_them(vendor, api):
+    _at_once(vendor)
+    Lane.objects.filter(name="interactive").update(max_running=1)
+    first = Task.objects.get(pk=submit_file(api, priority="interactive"))
+    second = Task.objects.get(pk=submit_file(api, files.with_marker(files.wav(1), b"second"), priority="interactive"))
+    assert intake.task_precheck_and_route(first.pk, first.generation) == "queued"
+    first.refresh_from_db()
+    assert first.dispatched_at is not None, "the first task was not admitted as it arrived"
+    assert intake.task_precheck_and_route(second.pk, second.generation) == "queued"
+    assert Task.objects.get(pk=second.pk).dispatched_at is None, "the lane's one slot was not held"
+    with CaptureQueriesContext(connection) as statements:
+        assert workers.run_step("start", str(first.pk), first.generation) == "succeeded"
+    assert _lanes_read(statements), "the first task's move heard a task waiting: the lanes are offered its slots"
+    assert Task.objects.get(pk=second.pk).dispatched_at is not None, "the waiting task was not admitted at once"
+
+
+def test_a_second_job_of_a_task_is_reported_as_it_is_created_naming_the_job_the_task_keeps(vendor, api, monkeypatch):
+    VendorChannel.objects.filter(name="fallback").update(enabled=False)
+    monkeypatch.setenv("Q_CLUSTER_NAME", "interactive")
+    task = Task.objects.get(pk=submit_file(api, priority="interactive"))
+    earlier = VendorJob.objects.create(channel_id="primary", task=task, vendor_job_id="job-earlier", client_ref="earlier",
+                                       status="failed", amount_cents=7, terminal_at=timezone.now())
+    assert workers.run_step("precheck", str(task.pk), task.generation) == "started"
+    task.refresh_from_db()
+    assert task.state == State.RUNNING and task.vendor_job_id not in (None, earlier.pk)
+    incident = DuplicateIncident.objects.get(task=task)  # at once, not when the task ends
+    assert incident.kept_job_id == task.vendor_job.vendor_job_id
+    assert incident.duplicate_job_ids == ["job-earlier"] and incident.duplicate_amount_cents == 7

@@ -56,9 +56,12 @@ def vendor_of(task: Task) -> VendorAdapter:
     return adapter_for(task.channel, task_id=task.pk, generation=task.generation, deadline=deadline)
 
 
-def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None) -> VendorJob:
+def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bool, duplicate_of: VendorJob | None = None,
+               billing_check: bool = True) -> VendorJob:
     """A job exists at the vendor: record it whatever happens to the task (it holds budget, and it
-    was billed: a second job of the same task is reported at once)."""
+    was billed: a second job of the same task is reported at once). `billing_check=False`: the
+    caller runs task_billing_check itself at once, after the write it makes next (which can say
+    whether there is anything to check)."""
     fields = dict(
         task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
         status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,
@@ -79,7 +82,7 @@ def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bo
             job, created = VendorJob.objects.get(channel=channel, vendor_job_id=view.id), False
     if view.terminal and not created:
         vendor_job_terminal(job, view.status)
-    if created:
+    if created and billing_check:
         task_billing_check(task.pk)
     return job
 

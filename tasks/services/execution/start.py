@@ -24,6 +24,7 @@ from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
 from tasks.rows import insert_rows, new_row, update
 from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
+from tasks.services.billing import several_jobs_sql, task_billing_check
 from tasks.services.execution.guard import step_crashed, step_interrupted
 from tasks.services.execution.jobs import (
     audit_duplicates,
@@ -211,7 +212,7 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
     the job's history entry also says the vendor completed it."""
     g = task.generation
     channel = task.channel
-    job = record_job(task, channel, created.job, adopted=False)
+    job = record_job(task, channel, created.job, adopted=False, billing_check=False)
     slots_release(task.pk, JOB, reason="bound to vendor job")
     breaker.refund_retry_token(channel)
     poll = PollPolicy.for_channel(channel)
@@ -225,12 +226,16 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
         entry["reason"] += "; the vendor completed the job"
         entry["data"]["vendor_status"] = "completed"
     updated = lifecycle.task_update_recorded(
-        task.pk, state=S.RUNNING, generation=g, actor=actor(), **entry,
+        task.pk, state=S.RUNNING, generation=g, actor=actor(), **entry, returning=(several_jobs_sql(),),
         vendor_job=job, phase=phase, poll_interval_s=first, outage_since=None,
         due_at=now + timescale.delta(poll.jittered(first)), poll_deadline_at=now + timescale.delta(poll.budget_s),
         error_code="", error_message="", fetch_attempts=0, **lease_fields,
     )
     task.vendor_job, task.phase, task.fetch_attempts = job, phase, 0
+    if updated is None or updated.said is None or updated.said[0]:
+        # The job is billed: a second job of this task is reported at once (record_job's check,
+        # run here once the task names the job it keeps, and only when there is a second).
+        task_billing_check(task.pk)
     if not updated:
         # Fenced while creating: the job is recorded (and said so); whoever moved the task decides its fate.
         lifecycle.record_event(task.pk, generation=g, actor=actor(), **entry)
