@@ -2,7 +2,8 @@
 
 `task_move` wraps lifecycle.transition(): in the same transaction it ends the attempt that was
 running, releases budget reservations when a task finishes, writes the terminal notification
-(an outbox row delivered later, never re-running the task) and dead letters.
+(an outbox row delivered later, never re-running the task) and dead letters; after it, a task
+that ends with more than one vendor job gets its billing check.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tasks import counters, lifecycle
 from tasks.models import Attempt, DeadLetter, Notification, Task
 from tasks.rows import select, update
 from tasks.scheduling.budgets import slots_release
-from tasks.services.billing import several_jobs_sql
+from tasks.services.billing import several_jobs_sql, task_billing_check
 from tasks.services.notifications import event_payload
 from tasks.states import TERMINAL_STATES, State
 
@@ -38,7 +39,7 @@ _HEARD: ContextVar[dict[str, bool] | None] = ContextVar("lanes_waiting_heard", d
 
 
 @dataclass(frozen=True)
-class Left:
+class LeftBehind:
     """What a terminal move's own statement said of what the task leaves behind (its `returning`),
     so that what comes after the move reads only what there is."""
 
@@ -47,7 +48,7 @@ class Left:
     lanes_waiting: bool  # some lane holds tasks waiting for admission: the slots it frees are wanted
 
     @classmethod
-    def of(cls, moved: lifecycle.Moved | None) -> Left | None:
+    def of(cls, moved: lifecycle.Moved | None) -> LeftBehind | None:
         """What the move said; None if it did not move, or said nothing (the caller reads instead)."""
         if moved is None or moved.said is None or len(moved.said) != 3:
             return None
@@ -96,7 +97,7 @@ def task_move(
         )
         if moved is None:
             return None
-        left = Left.of(moved)
+        left = LeftBehind.of(moved)
         if attempt_outcome:
             update(Attempt, {"ended_at": now, "outcome": attempt_outcome,
                              "error_code": (fields.get("error_code") or "")[:64],
@@ -116,6 +117,12 @@ def task_move(
                 task_id=task_id, tenant_id=task.tenant_id, error_class=dead_letter_class,
                 error_code=(fields.get("error_code") or "unknown")[:64], attempts=task.attempts,
             )
+    if target in TERMINAL_STATES and (left is None or left.several_jobs):
+        # A task that ends with a second job has its incident name them all and the one it kept,
+        # whatever became of the checks when each job was recorded (a step that died between
+        # recording a job and checking it). A job recorded after the move is checked by whoever
+        # records it.
+        task_billing_check(task_id)
     return moved
 
 
@@ -123,7 +130,7 @@ _LEFT_BEHIND: dict[str, tuple[str, str, str]] = {}
 
 
 def _left_behind() -> tuple[str, str, str]:
-    """What a terminal move's own statement says of what the task leaves behind (`Left`), as SQL
+    """What a terminal move's own statement says of what the task leaves behind (`LeftBehind`), as SQL
     over the moved row (`lifecycle.transition`'s `returning`): whether the outbox has anything to
     write (a callback URL, the task's or its tenant's, or an older event still pending there),
     whether the task has more than one vendor job (its billing check), whether any lane holds

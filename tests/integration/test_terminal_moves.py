@@ -25,12 +25,12 @@ from tasks.models import (
 )
 from tasks.poc import files
 from tasks.services import intake
-from tasks.services.outcomes import Left, task_move
+from tasks.services.outcomes import LeftBehind, task_move
 from tasks.states import State
 from tests.conftest import CHANNEL_DEFAULTS
 from tests.support.flows import submit_file
 
-NOTHING = Left(outbox=False, several_jobs=False, lanes_waiting=False)
+NOTHING = LeftBehind(outbox=False, several_jobs=False, lanes_waiting=False)
 
 
 def _task(tenant, **extra) -> Task:
@@ -49,7 +49,7 @@ def test_a_terminal_move_of_a_task_nobody_listens_to_reads_nothing_after_it(tena
     task = _task(tenant)
     with CaptureQueriesContext(connection) as statements:
         moved = _fail(task)
-    assert Left.of(moved) == NOTHING
+    assert LeftBehind.of(moved) == NOTHING
     assert not [q["sql"] for q in statements.captured_queries if q["sql"].lstrip().upper().startswith("SELECT")]
     assert Task.objects.get(pk=task.pk).state == State.FAILED
     assert TaskEvent.objects.filter(task=task, to_state=State.FAILED).count() == 1
@@ -58,11 +58,11 @@ def test_a_terminal_move_of_a_task_nobody_listens_to_reads_nothing_after_it(tena
 
 def test_a_terminal_move_writes_the_notification_of_a_task_or_tenant_with_a_callback(tenant):
     listened = _task(tenant, callback_url="https://hooks.example.com/task")
-    assert Left.of(_fail(listened)).outbox
+    assert LeftBehind.of(_fail(listened)).outbox
     tenant.callback_url = "https://hooks.example.com/tenant"
     tenant.save()
     by_tenant = _task(tenant)
-    assert Left.of(_fail(by_tenant)).outbox
+    assert LeftBehind.of(_fail(by_tenant)).outbox
     sent = {n.task_id: (n.url, n.event_type, n.status) for n in Notification.objects.all()}
     assert sent == {listened.pk: ("https://hooks.example.com/task", "task.failed", Notification.Status.PENDING),
                     by_tenant.pk: ("https://hooks.example.com/tenant", "task.failed", Notification.Status.PENDING)}
@@ -76,7 +76,7 @@ def test_an_older_event_still_pending_is_superseded_though_nobody_listens_any_mo
                                         next_attempt_at=timezone.now())
     Task.objects.filter(pk=task.pk).update(generation=task.generation + 1)
     task.refresh_from_db()
-    assert Left.of(_fail(task)).outbox
+    assert LeftBehind.of(_fail(task)).outbox
     older.refresh_from_db()
     assert older.status == Notification.Status.SUPERSEDED
     assert Notification.objects.filter(task=task).count() == 1
@@ -91,19 +91,32 @@ def test_a_terminal_move_says_whether_the_task_has_more_than_one_vendor_job(tena
     one, two = _task(tenant), _task(tenant)
     _job(one, 1)
     _job(two, 1), _job(two, 2)
-    assert Left.of(_fail(one)) == NOTHING
-    assert Left.of(_fail(two)) == Left(outbox=False, several_jobs=True, lanes_waiting=False)
+    assert LeftBehind.of(_fail(one)) == NOTHING
+    assert LeftBehind.of(_fail(two)) == LeftBehind(outbox=False, several_jobs=True, lanes_waiting=False)
+
+
+def test_a_task_that_ends_with_a_second_job_never_checked_gets_its_incident_as_it_ends(tenant):
+    # A step that died between recording a job and its billing check; the task then fails.
+    task = _task(tenant)
+    kept = _job(task, 1)
+    Task.objects.filter(pk=task.pk).update(vendor_job=kept)
+    VendorJob.objects.filter(pk=_job(task, 2).pk).update(amount_cents=5)
+    assert not DuplicateIncident.objects.filter(task=task).exists()
+    assert LeftBehind.of(_fail(task)).several_jobs
+    incident = DuplicateIncident.objects.get(task=task)
+    assert (incident.kept_job_id, incident.duplicate_job_ids) == (kept.vendor_job_id, [f"job-{task.pk}-2"])
+    assert incident.duplicate_amount_cents == 5
 
 
 def test_a_terminal_move_says_whether_a_lane_holds_tasks_waiting_for_admission(transactional_db, tenant):
     # Committed, not in a test's transaction: PostgreSQL's counters move when the writer commits.
     waiting = _task(tenant, lane_id="batch", state=State.QUEUED)
     admitted = _task(tenant, lane_id="batch", state=State.QUEUED, dispatched_at=timezone.now())
-    assert Left.of(_fail(_task(tenant))).lanes_waiting
+    assert LeftBehind.of(_fail(_task(tenant))).lanes_waiting
     Task.objects.filter(pk=waiting.pk).update(dispatched_at=timezone.now())
-    assert Left.of(_fail(_task(tenant))) == NOTHING, "a task admitted and not yet started waits for no slot"
+    assert LeftBehind.of(_fail(_task(tenant))) == NOTHING, "a task admitted and not yet started waits for no slot"
     Task.objects.filter(pk=admitted.pk).update(lane_id="interactive", dispatched_at=None)
-    assert Left.of(_fail(_task(tenant))).lanes_waiting, "any lane's waiting task counts"
+    assert LeftBehind.of(_fail(_task(tenant))).lanes_waiting, "any lane's waiting task counts"
 
 
 # --- at the end of a worker's step ---------------------------------------------------------------

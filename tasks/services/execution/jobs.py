@@ -60,8 +60,8 @@ def record_job(task: Task, channel: VendorChannel, view: JobView, *, adopted: bo
                billing_check: bool = True) -> VendorJob:
     """A job exists at the vendor: record it whatever happens to the task (it holds budget, and it
     was billed: a second job of the same task is reported at once). `billing_check=False`: the
-    caller runs task_billing_check itself at once, after the write it makes next (which can say
-    whether there is anything to check)."""
+    caller runs task_billing_check itself right after its next write (which says whether the task
+    has a second job to check); should it die before, the task's terminal move checks."""
     fields = dict(
         task=task, client_ref=view.client_ref or task.vendor_client_ref, idempotency_key=task.vendor_idempotency_key,
         status=view.status, adopted=adopted, duplicate_of=duplicate_of, billing_units=view.billing_units,

@@ -12,7 +12,6 @@ from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorJob
 from tasks.observability import log_event
 from tasks.scheduling.budgets import vendor_job_terminal
-from tasks.services.billing import task_billing_check
 from tasks.services.execution.guard import leased
 from tasks.services.execution.jobs import (
     TRANSIENT_404_WINDOW_S,
@@ -22,7 +21,7 @@ from tasks.services.execution.jobs import (
 )
 from tasks.services.execution.lease import actor
 from tasks.services.execution.retry import fail, refused, retry_or_fallback, to_reconciling
-from tasks.services.outcomes import Left, task_move
+from tasks.services.outcomes import task_move
 from tasks.states import State
 from tasks.storage import StorageUnavailable, attempt_result_path, discard_result, publish_result
 from tasks.vendors import breaker
@@ -198,11 +197,6 @@ def _fetch(task: Task) -> str:
         if current and current[0] == S.CANCEL_REQUESTED:
             Task.objects.filter(pk=task.pk, state=S.CANCEL_REQUESTED).update(due_at=timezone.now())
         return "discarded"
-    left = Left.of(moved)
-    if left is None or left.several_jobs:
-        # A second job recorded for the task: its incident now names the one kept. (A job
-        # recorded after the move is checked by whoever records it: record_job checks.)
-        task_billing_check(task.pk)
     try:
         vendor.release(job.vendor_job_id)  # the result is ours now: the vendor's copies can go
     except VendorError as err:
