@@ -6,6 +6,7 @@ with any gets what it had before."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 from django.db import connection
@@ -25,8 +26,11 @@ from tasks.models import (
 )
 from tasks.poc import files
 from tasks.services import intake
+from tasks.services.execution.jobs import record_job
+from tasks.services.execution.start import _job_created
 from tasks.services.outcomes import LeftBehind, task_move
 from tasks.states import State
+from tasks.vendors.protocol import Created, JobView
 from tests.conftest import CHANNEL_DEFAULTS
 from tests.support.flows import submit_file
 
@@ -177,3 +181,41 @@ def test_a_second_job_of_a_task_is_reported_as_it_is_created_naming_the_job_the_
     incident = DuplicateIncident.objects.get(task=task)  # at once, not when the task ends
     assert incident.kept_job_id == task.vendor_job.vendor_job_id
     assert incident.duplicate_job_ids == ["job-earlier"] and incident.duplicate_amount_cents == 7
+
+
+def test_two_jobs_recorded_at_once_for_a_task_are_always_reported(vendor, tenant):
+    """A job the start step creates (checked after its binding, which says whether there is a
+    second) and one another path records at the same time (reconciliation adopting it, checked
+    after its INSERT): whichever order their statements interleave in, one of the two sees both
+    jobs and the task has its incident. Real threads, each with its own connection."""
+    channel = VendorChannel.objects.get(name="primary")
+    barrier = threading.Barrier(2)
+
+    def created_by_the_start_step(task: Task) -> None:
+        try:
+            barrier.wait(timeout=10)
+            _job_created(task, Created(JobView(id=f"job-{task.pk}-created", status="queued", amount_cents=3)))
+        finally:
+            connection.close()
+
+    def adopted_by_another_path(task: Task) -> None:
+        try:
+            barrier.wait(timeout=10)
+            record_job(task, channel, JobView(id=f"job-{task.pk}-adopted", status="queued", amount_cents=4), adopted=True)
+        finally:
+            connection.close()
+
+    for _ in range(10):
+        task = _task(tenant, state=State.RUNNING, channel=channel)
+        task.channel = channel
+        threads = [threading.Thread(target=created_by_the_start_step, args=(task,)),
+                   threading.Thread(target=adopted_by_another_path, args=(task,))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert VendorJob.objects.filter(task=task).count() == 2
+        incident = DuplicateIncident.objects.get(task=task)
+        # Which one it keeps may still be settling (the task's end checks again); both are named.
+        assert sorted([incident.kept_job_id, *incident.duplicate_job_ids]) == [f"job-{task.pk}-adopted",
+                                                                               f"job-{task.pk}-created"]
