@@ -17,8 +17,12 @@ from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
 from tasks.rows import insert_rows, new_row, update
+from tasks.states import State
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
+# The only states a task's slots are reserved in (slots_reserve): a terminal move from any other
+# found the task where no slot can be added to it, and trusts what its own statement read of them.
+RESERVED_IN = frozenset({State.ACCEPTED, State.QUEUED})
 
 
 def lane_rows(lane_slots: dict | None) -> dict[str, tuple[frozenset[str], int]]:
@@ -110,7 +114,9 @@ def channel_usage(channel: VendorChannel) -> ChannelUsage:
 
 
 def slots_reserve(task: Task, channel: VendorChannel) -> None:
-    """Called by the dispatcher under its lock, after checking channel_usage()."""
+    """Called by the dispatcher under its lock, after checking channel_usage(), in the transaction
+    that holds the task's row in one of RESERVED_IN (its admission's move or update): whoever
+    moves the task from another state knows no slot is being added meanwhile."""
     insert_rows([new_row(BudgetSlot, channel=channel, kind=JOB, task=task),
                  new_row(BudgetSlot, channel=channel, kind=UPLOAD, task=task)])
 

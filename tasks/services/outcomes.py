@@ -9,6 +9,7 @@ that ends with more than one vendor job gets its billing check.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -18,9 +19,9 @@ from django.db import connections, router, transaction
 from django.utils import timezone
 
 from tasks import counters, lifecycle
-from tasks.models import Attempt, DeadLetter, Notification, Task
+from tasks.models import Attempt, BudgetSlot, DeadLetter, Notification, Task
 from tasks.rows import select, update
-from tasks.scheduling.budgets import slots_release
+from tasks.scheduling.budgets import RESERVED_IN, slots_release
 from tasks.services.billing import several_jobs_sql, task_billing_check
 from tasks.services.notifications import event_payload
 from tasks.states import TERMINAL_STATES, State
@@ -46,11 +47,12 @@ class LeftBehind:
     outbox: bool  # a callback URL (the task's or its tenant's), or an older event still pending
     several_jobs: bool  # more than one vendor job recorded for the task: its billing check has work
     lanes_waiting: bool  # some lane holds tasks waiting for admission: the slots it frees are wanted
+    slots_open: bool  # the task still holds budget slots (see `task_move` for when this is trusted)
 
     @classmethod
     def of(cls, moved: lifecycle.Moved | None) -> LeftBehind | None:
         """What the move said; None if it did not move, or said nothing (the caller reads instead)."""
-        if moved is None or moved.said is None or len(moved.said) != 3:
+        if moved is None or moved.said is None or len(moved.said) != len(dataclasses.fields(cls)):
             return None
         return cls(*(bool(value) for value in moved.said))
 
@@ -105,7 +107,13 @@ def task_move(
                    "t.task_id = %s AND t.generation = %s AND t.ended_at IS NULL",
                    [("task", task_id), ("generation", generation)])
         if target in TERMINAL_STATES:
-            slots_release(task_id, reason=f"task {target.lower()}")
+            if left is None or left.slots_open or State(source) in RESERVED_IN:
+                # Slots are reserved only for a task in these states, under its row's lock and
+                # without moving it on (budgets.slots_reserve): a move from one of them may have
+                # waited for that lock, and on PostgreSQL its statement reads from before the
+                # slots committed, so it releases whatever it said. A move from any other state
+                # found the task where no slot can be added to it: what it said holds.
+                slots_release(task_id, reason=f"task {target.lower()}")
             if left is None or left.outbox:
                 _notification_outbox(task_id, target, moved.generation)
             heard = _HEARD.get()
@@ -126,16 +134,17 @@ def task_move(
     return moved
 
 
-_LEFT_BEHIND: dict[str, tuple[str, str, str]] = {}
+_LEFT_BEHIND: dict[str, tuple[str, str, str, str]] = {}
 
 
-def _left_behind() -> tuple[str, str, str]:
+def _left_behind() -> tuple[str, str, str, str]:
     """What a terminal move's own statement says of what the task leaves behind (`LeftBehind`), as SQL
     over the moved row (`lifecycle.transition`'s `returning`): whether the outbox has anything to
     write (a callback URL, the task's or its tenant's, or an older event still pending there),
     whether the task has more than one vendor job (its billing check), whether any lane holds
-    tasks waiting for admission. Most tasks have no callback and one job, and most moves find no
-    lane waiting: nothing more is read for them."""
+    tasks waiting for admission, whether the task still holds budget slots. Most tasks have no
+    callback and one job, most moves find no lane waiting, and a task that ends after its job
+    was bound released its slots then: nothing more is read or written for them."""
     connection = connections[router.db_for_write(Task)]  # where the move's statement runs
     if connection.vendor not in _LEFT_BEHIND:
         quote = connection.ops.quote_name
@@ -153,7 +162,11 @@ def _left_behind() -> tuple[str, str, str]:
             f"AND n.{quote(Notification._meta.get_field('status').column)} = '{pending}') THEN 1 ELSE 0 END")
         several_jobs = several_jobs_sql()
         lanes_waiting = f"CASE WHEN EXISTS ({counters.LANES_WITH_QUEUED}) THEN 1 ELSE 0 END"
-        _LEFT_BEHIND[connection.vendor] = (outbox, several_jobs, lanes_waiting)
+        slot = BudgetSlot._meta.get_field("task")
+        slots_open = (f"CASE WHEN EXISTS (SELECT 1 FROM {quote(BudgetSlot._meta.db_table)} s "
+                      f"WHERE s.{quote(slot.column)} = {pk} "
+                      f"AND s.{quote(BudgetSlot._meta.get_field('released_at').column)} IS NULL) THEN 1 ELSE 0 END")
+        _LEFT_BEHIND[connection.vendor] = (outbox, several_jobs, lanes_waiting, slots_open)
     return _LEFT_BEHIND[connection.vendor]
 
 

@@ -1,20 +1,23 @@
 """A terminal move says in its own statement what the task leaves behind: whether the outbox has
 anything to write (a callback URL, the task's or its tenant's, or an older event still pending),
 whether the task has more than one vendor job (its billing check), whether any lane holds tasks
-waiting for admission (the slots it frees). A task with none of them reads nothing more; one
-with any gets what it had before."""
+waiting for admission (the slots it frees), whether it still holds budget slots. A task with
+none of them reads and writes nothing more; one with any gets what it had before."""
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from tasks import counters, workers
+from tasks.lifecycle import task_update
 from tasks.models import (
+    BudgetSlot,
     DuplicateIncident,
     FileVersion,
     Lane,
@@ -25,6 +28,7 @@ from tasks.models import (
     VendorJob,
 )
 from tasks.poc import files
+from tasks.scheduling.budgets import slots_reserve
 from tasks.services import intake
 from tasks.services.execution.jobs import record_job
 from tasks.services.execution.start import _job_created
@@ -34,7 +38,7 @@ from tasks.vendors.protocol import Created, JobView
 from tests.conftest import CHANNEL_DEFAULTS
 from tests.support.flows import submit_file
 
-NOTHING = LeftBehind(outbox=False, several_jobs=False, lanes_waiting=False)
+NOTHING = LeftBehind(outbox=False, several_jobs=False, lanes_waiting=False, slots_open=False)
 
 
 def _task(tenant, **extra) -> Task:
@@ -96,7 +100,8 @@ def test_a_terminal_move_says_whether_the_task_has_more_than_one_vendor_job(tena
     _job(one, 1)
     _job(two, 1), _job(two, 2)
     assert LeftBehind.of(_fail(one)) == NOTHING
-    assert LeftBehind.of(_fail(two)) == LeftBehind(outbox=False, several_jobs=True, lanes_waiting=False)
+    assert LeftBehind.of(_fail(two)) == LeftBehind(outbox=False, several_jobs=True, lanes_waiting=False,
+                                                          slots_open=False)
 
 
 def test_a_task_that_ends_with_a_second_job_never_checked_gets_its_incident_as_it_ends(tenant):
@@ -121,6 +126,63 @@ def test_a_terminal_move_says_whether_a_lane_holds_tasks_waiting_for_admission(t
     assert LeftBehind.of(_fail(_task(tenant))) == NOTHING, "a task admitted and not yet started waits for no slot"
     Task.objects.filter(pk=admitted.pk).update(lane_id="interactive", dispatched_at=None)
     assert LeftBehind.of(_fail(_task(tenant))).lanes_waiting, "any lane's waiting task counts"
+
+
+def _open_slots(task: Task) -> int:
+    return BudgetSlot.objects.filter(task=task, released_at__isnull=True).count()
+
+
+def test_a_running_task_that_ends_holding_slots_releases_them(tenant):
+    # A create the vendor refused: the job slot is still held when the task fails.
+    channel = VendorChannel.objects.get(name="primary")
+    task = _task(tenant, state=State.RUNNING, channel=channel)
+    slots_reserve(task, channel)
+    moved = task_move(task.pk, source=State.RUNNING, target=State.FAILED, generation=task.generation, actor="test",
+                      reason="refused", fields=dict(error_code="refused"))
+    assert LeftBehind.of(moved).slots_open
+    assert _open_slots(task) == 0
+
+
+def test_slots_reserved_while_a_queued_task_is_cancelled_are_released_with_it(transactional_db, tenant):
+    """The dispatcher admits a queued task (its row updated, its slots inserted) while a cancel of
+    it waits for the row: the cancel then moves it (it is still QUEUED at its generation), but on
+    PostgreSQL its statement read the slots from before they committed. A move from a state slots
+    are reserved in releases them whatever it read. Real threads, each with its own connection."""
+    channel = VendorChannel.objects.get(name="primary")
+    for _ in range(3):
+        task = _task(tenant, state=State.QUEUED, lane_id="batch")
+        reserved = threading.Event()
+
+        def admit() -> None:
+            try:
+                with transaction.atomic():
+                    assert task_update(task.pk, state=State.QUEUED, generation=task.generation,
+                                       channel=channel, dispatched_at=timezone.now())
+                    slots_reserve(task, channel)
+                    reserved.set()
+                    time.sleep(0.3)  # the cancel's statement starts meanwhile and waits for the row
+            finally:
+                reserved.set()
+                connection.close()
+
+        moved: list = []
+
+        def cancel() -> None:
+            try:
+                reserved.wait(timeout=10)
+                moved.append(task_move(task.pk, source=State.QUEUED, target=State.CANCELLED, generation=task.generation,
+                                       actor="test", reason="cancelled"))
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=admit), threading.Thread(target=cancel)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert moved and moved[0] is not None, "the cancel did not move the task"
+        assert BudgetSlot.objects.filter(task=task).count() == 2
+        assert _open_slots(task) == 0, "the cancelled task still holds the slots reserved while it waited"
 
 
 # --- at the end of a worker's step ---------------------------------------------------------------
@@ -150,6 +212,11 @@ def test_a_task_that_succeeds_with_one_job_while_no_lane_waits_reads_neither_its
         assert workers.run_step("precheck", str(task.pk), task.generation) == "succeeded"
     assert not _billing_checks(statements), "the task's jobs were read for a billing check though it has one"
     assert not _lanes_read(statements), "the lanes were read though none held a task waiting"
+    # Its two slots were released as its upload ended and its job was bound: nothing is left to release.
+    slot_writes = [q["sql"] for q in statements.captured_queries
+                   if q["sql"].lstrip().startswith(f'UPDATE "{BudgetSlot._meta.db_table}"')]
+    assert len(slot_writes) == 2, slot_writes
+    assert BudgetSlot.objects.filter(task=task).count() == 2 and _open_slots(task) == 0
     assert vendor.control.invariants()["billed_jobs"] == 1
 
 
