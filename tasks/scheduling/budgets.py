@@ -9,6 +9,7 @@ holds the budget until the job is confirmed terminal) or once it is proven no jo
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -50,36 +51,72 @@ class ChannelUsage:
 
 
 def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
-    """Every channel's usage in one statement, whatever the number of channels (the dispatcher
-    looks at all of them on every admission pass): the open slots and the live jobs, counted
-    per channel, kind and lane. The statement is built once per number of channels (a queryset
-    compiled on every pass cost more than running it)."""
+    """Every channel's usage in one statement, whatever the number of channels: the open slots
+    and the live jobs, counted per channel, kind and lane. The statement is built once per number
+    of channels (a queryset compiled on every pass cost more than running it). The dispatcher
+    reads the usage with the channels themselves (`usage_sql`)."""
     names = [c.name for c in channels]
-    jobs: dict[str, int] = dict.fromkeys(names, 0)
-    uploads: dict[str, int] = dict.fromkeys(names, 0)
-    by_lane: dict[str, dict[str, int]] = {name: {} for name in names}
     if not names:
         return {}
     alias = router.db_for_read(BudgetSlot)
     connection = connections[alias]
-    now = BudgetSlot._meta.get_field("released_at").get_db_prep_value(timezone.now(), connection)
     with connection.cursor() as cursor:
-        cursor.execute(_usage_sql(alias, len(names)), [*names, *names, now, *names])
+        cursor.execute(_usage_sql(alias, len(names)), [*names, *names, released_after(connection), *names])
         found = cursor.fetchall()
+    counted: dict[str, list] = {name: [] for name in names}
     for name, kind, lane, n in found:
+        counted[name].append((kind, lane, n))
+    return {name: usage_of(rows) for name, rows in counted.items()}
+
+
+def usage_of(counted) -> ChannelUsage:
+    """A channel's usage from its counts (kind, the task's lane, how many), as `usage_sql` or
+    `_usage_sql` read them (a JSON array's text, or the array, or None: nothing is held)."""
+    if isinstance(counted, str):
+        counted = json.loads(counted)
+    jobs = uploads = 0
+    by_lane: dict[str, int] = {}
+    for kind, lane, n in counted or ():
         if kind == UPLOAD:
-            uploads[name] += n
+            uploads += n
             continue
-        jobs[name] += n
-        by_lane[name][lane or ""] = by_lane[name].get(lane or "", 0) + n
-    return {name: ChannelUsage(jobs=jobs[name], uploads=uploads[name], jobs_by_lane=by_lane[name]) for name in names}
+        jobs += n
+        by_lane[lane or ""] = by_lane.get(lane or "", 0) + n
+    return ChannelUsage(jobs=jobs, uploads=uploads, jobs_by_lane=by_lane)
+
+
+def released_after(connection):
+    """The parameter of the usage statements: a slot released after now is still held."""
+    return BudgetSlot._meta.get_field("released_at").get_db_prep_value(timezone.now(), connection)
+
+
+def usage_sql(alias: str, channel: str) -> str:
+    """A channel's usage as one JSON column of a statement that reads the channel (`channel`: the
+    SQL of its name there), for `usage_of`: its open slots and live jobs counted by kind and the
+    task's lane, read by the channel's ranges of the slot and job indexes. One placeholder, for
+    `released_after`. The dispatcher reads its channels and their room so in one statement."""
+    return _usage_json(alias).replace("{channel}", channel)
+
+
+@functools.lru_cache(maxsize=8)
+def _usage_json(alias: str) -> str:
+    connection = connections[alias]
+    counted = _counted(alias, "= {channel}", by_channel=False)
+    if connection.vendor == "postgresql":
+        return f"SELECT json_agg(json_build_array(u.k, u.l, u.n)) FROM ({counted}) u"
+    return f"SELECT json_group_array(json_array(u.k, u.l, u.n)) FROM ({counted}) u"
 
 
 @functools.lru_cache(maxsize=64)
 def _usage_sql(alias: str, count: int) -> str:
-    """channels_usage's statement for `count` channels: the open slots (a slot released "in the
-    future" is still held: an aborted upload may still be draining) and the live jobs, by
-    channel, kind and the task's lane."""
+    """channels_usage's statement for `count` channels."""
+    return _counted(alias, f"IN ({', '.join(['%s'] * count)})", by_channel=True)
+
+
+def _counted(alias: str, channels: str, *, by_channel: bool) -> str:
+    """The open slots (a slot released "in the future" is still held: an aborted upload may still
+    be draining) and the live jobs of the `channels` (SQL after the channel column: `IN (...)` or
+    `= ...`), by kind and the task's lane (and by channel, `by_channel`), as columns k, l, n."""
     quote = connections[alias].ops.quote_name
 
     def table(model) -> str:
@@ -88,25 +125,27 @@ def _usage_sql(alias: str, count: int) -> str:
     def column(model, name: str) -> str:
         return quote(model._meta.get_field(name).column)
 
-    names = ", ".join(["%s"] * count)
     task, task_id, lane = table(Task), column(Task, "id"), column(Task, "lane")
     released = column(BudgetSlot, "released_at")
+    slot_channel, job_channel = column(BudgetSlot, "channel"), column(VendorJob, "channel")
 
     def open_slots(condition: str) -> str:
         # Two branches, one per condition, so that each reads its range of the (channel,
         # released_at) index: a slot table keeps every slot ever released, and an OR of the two
         # read all of a channel's slots on every admission (25 ms for 100,000 finished tasks).
-        return (f"SELECT s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}, COUNT(*)"
+        head = f"s.{slot_channel}, " if by_channel else ""
+        return (f"SELECT {head}s.{column(BudgetSlot, 'kind')} AS k, l.{lane} AS l, COUNT(*) AS n"
                 f" FROM {table(BudgetSlot)} s LEFT JOIN {task} l ON l.{task_id} = s.{column(BudgetSlot, 'task')}"
-                f" WHERE s.{column(BudgetSlot, 'channel')} IN ({names}) AND s.{released} {condition}"
-                f" GROUP BY s.{column(BudgetSlot, 'channel')}, s.{column(BudgetSlot, 'kind')}, l.{lane}")
+                f" WHERE s.{slot_channel} {channels} AND s.{released} {condition}"
+                f" GROUP BY {head}s.{column(BudgetSlot, 'kind')}, l.{lane}")
 
+    head = f"j.{job_channel}, " if by_channel else ""
     return (
         f"{open_slots('IS NULL')} UNION ALL {open_slots('> %s')}"
-        f" UNION ALL SELECT j.{column(VendorJob, 'channel')}, '{JOB.value}', l.{lane}, COUNT(*)"
+        f" UNION ALL SELECT {head}'{JOB.value}', l.{lane}, COUNT(*)"
         f" FROM {table(VendorJob)} j LEFT JOIN {task} l ON l.{task_id} = j.{column(VendorJob, 'task')}"
-        f" WHERE j.{column(VendorJob, 'channel')} IN ({names}) AND j.{column(VendorJob, 'terminal_at')} IS NULL"
-        f" GROUP BY j.{column(VendorJob, 'channel')}, l.{lane}")
+        f" WHERE j.{job_channel} {channels} AND j.{column(VendorJob, 'terminal_at')} IS NULL"
+        f" GROUP BY {head}l.{lane}")
 
 
 def channel_usage(channel: VendorChannel) -> ChannelUsage:

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from django.db import connections, router
+
 from tasks.models import ChannelHealth, Task, VendorChannel
 from tasks.rows import select
-from tasks.scheduling.budgets import channels_usage, lane_rows
+from tasks.scheduling.budgets import lane_rows, released_after, usage_of, usage_sql
 from tasks.vendors import breaker
 from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.policies import BreakerPolicy
 
 B = ChannelHealth.Breaker
+_NAME = VendorChannel._meta.pk.column
 
 
 def serves(channel: VendorChannel, kind: str) -> bool:
@@ -64,15 +67,16 @@ class ChannelRoom:
 
 
 def channel_rooms() -> dict[str, ChannelRoom]:
-    """Every enabled channel's room, read fresh (two statements, whatever the number of
-    channels: the channels with their health, and their usage)."""
+    """Every enabled channel's room, read fresh in one statement whatever the number of channels:
+    the channels with their health and their usage."""
     rooms: dict[str, ChannelRoom] = {}
-    channels = select(VendorChannel, "t.enabled = %s ORDER BY t.preference, t.name", [("enabled", True)],
-                      related=("health",))
-    usages = channels_usage(channels)
+    alias = router.db_for_read(VendorChannel)
+    channels = select(VendorChannel, "t.enabled = %s ORDER BY t.preference, t.name",
+                      [(None, released_after(connections[alias])), ("enabled", True)],
+                      related=("health",), extra={"usage": usage_sql(alias, f"t.{connections[alias].ops.quote_name(_NAME)}")})
     for channel in channels:
         health = getattr(channel, "health", None) or breaker.health_for(channel)
-        usage = usages[channel.name]
+        usage = usage_of(channel.usage)
         available = breaker.is_available(channel, health)
         trials = None
         if health.breaker_state in (B.OPEN, B.HALF_OPEN):
