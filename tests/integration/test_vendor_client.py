@@ -185,6 +185,25 @@ def test_duplicate_create_is_detected_and_the_extra_jobs_cancelled(inline_queue,
     assert extras.count() == 2 and all(j.cancel_requested_at for j in extras)
 
 
+def test_a_job_created_finished_is_audited_once_in_its_step_and_its_duplicates_caught(inline_queue, api):
+    """A vendor that answers the create with the job completed: the step lists the operation's
+    jobs once (right after the create, before the download), not again after the download a few
+    milliseconds later; the extra jobs a duplicating create billed are found by that list."""
+    primary_only()
+    inline_queue.control.channel("primary", processing_ms=0, queue_ms=0)
+    plain = run_until(submit_file(api))
+    assert plain.state == "SUCCEEDED"
+    assert len(journal_for(inline_queue, "GET /v1/jobs")) == 1, "the job was listed again after its download"
+    assert not DuplicateIncident.objects.filter(task=plain).exists()
+    inline_queue.control.add_rule({"endpoint": "POST /v1/jobs", "type": "duplicate_create", "params": {"copies": 3}, "times": 1})
+    task = run_until(submit_file(api, files.with_marker(files.wav(1), b"duplicated")))
+    assert task.state == "SUCCEEDED"
+    assert len(journal_for(inline_queue, "GET /v1/jobs")) == 2
+    incident = DuplicateIncident.objects.get(task=task)
+    assert len(incident.duplicate_job_ids) == 2
+    assert VendorJob.objects.filter(vendor_job_id__in=incident.duplicate_job_ids).count() == 2
+
+
 # --- refused: fail with an actionable message, no retry ------------------------------------------------
 @pytest.mark.parametrize("status,code,needle", [
     (400, "invalid_request", "check kind"),

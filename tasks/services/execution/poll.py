@@ -60,10 +60,11 @@ def _poll(task: Task) -> str:
     return job_seen(task, job, view)
 
 
-def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False) -> str:
+def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False, audited: bool = False) -> str:
     """What the vendor says of the task's job (a poll's answer, or the create's when it already
     says how the job ended): a finished job is fetched or its failure handled in this step.
-    `said`: its completion is in the task's history already (with the job's creation)."""
+    `said`: its completion is in the task's history already (with the job's creation).
+    `audited`: this step listed the operation's jobs since the create (not again before the task ends)."""
     if view.status != job.status:
         VendorJob.objects.filter(pk=job.pk).update(status=view.status)
         if view.status == "processing":
@@ -76,7 +77,7 @@ def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False) -
     if job.terminal_at is None:
         vendor_job_terminal(job, view.status)
     if view.status == "completed":
-        return _completed(task, job, view, said=said)
+        return _completed(task, job, view, said=said, audited=audited)
     failure = job_failure(view)
     if view.status == "failed" and not view.error_retryable:
         refused(task, source=S.RUNNING, code=failure.code, message=failure.message)
@@ -115,7 +116,7 @@ def step_fetch(task_id: Any, generation: int) -> str:
     return leased(task_id, generation, S.RUNNING, _fetch, phase=P.FETCH)
 
 
-def _completed(task: Task, job: VendorJob, view: JobView, *, said: bool = False) -> str:
+def _completed(task: Task, job: VendorJob, view: JobView, *, said: bool = False, audited: bool = False) -> str:
     """The vendor reports the job completed (and billed it): from here on it is fetched, never
     abandoned — only the business deadline or a refusal ends the download's retries."""
     if view.input_sha256 and view.input_sha256 != task.file.sha256:
@@ -130,10 +131,13 @@ def _completed(task: Task, job: VendorJob, view: JobView, *, said: bool = False)
     if task.phase != P.FETCH or task.fetch_attempts:
         task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
     task.phase, task.fetch_attempts = P.FETCH, 0
-    return _fetch(task)
+    return _fetch(task, audited=audited)
 
 
-def _fetch(task: Task) -> str:
+def _fetch(task: Task, *, audited: bool = False) -> str:
+    """Download the completed job's result, check it, and end the task with it. Before the move,
+    the operation's jobs are listed for duplicates, unless this step did so since the create
+    (`audited`: the job was created finished, milliseconds ago)."""
     g = task.generation
     job = task.vendor_job
     vendor = vendor_of(task)
@@ -166,7 +170,8 @@ def _fetch(task: Task) -> str:
             return "fetch_retry"
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="result_digest_mismatch")
         return _integrity_failure(task, "the result's sha256 does not match what the vendor declared")
-    audit_duplicates(task, task.channel, vendor, keep_job_id=job.vendor_job_id)
+    if not audited:
+        audit_duplicates(task, task.channel, vendor, keep_job_id=job.vendor_job_id)
     try:
         relative = publish_result(dest)
     except StorageUnavailable as exc:

@@ -173,12 +173,13 @@ def submit(task: Task, lease: Lease) -> str | None:
     # another input than ours (the integrity failure is what is recorded then).
     said = completed and created.job.input_sha256 in ("", None, file.sha256)
     job = _job_created(task, created, keep_lease=finished, completed=completed, said=said)
+    audited = False
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
-        audit_duplicates(task, channel, vendor, keep_job_id=created.job.id)
+        audited = audit_duplicates(task, channel, vendor, keep_job_id=created.job.id) is not None
     if finished and job is not None:
         lease.heartbeat()  # renewed before the download, as between upload chunks
-        return job_seen(task, job, created.job, said=said)
+        return job_seen(task, job, created.job, said=said, audited=audited)
     return None
 
 
