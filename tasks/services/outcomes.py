@@ -81,8 +81,12 @@ def task_move(
     fields: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     attempt_outcome: str | None = None,
+    attempt_fields: dict[str, Any] | None = None,
     dead_letter_class: str | None = None,
 ) -> lifecycle.Moved | None:
+    """Move the task (lifecycle.transition) with what must commit with the move: the running
+    attempt's end (`attempt_outcome`, and `attempt_fields` it learnt and has not written yet), a
+    terminal move's slot release and notification, a dead letter."""
     target = State(target)
     fields = dict(fields or {})
     now = timezone.now()
@@ -101,7 +105,7 @@ def task_move(
             return None
         left = LeftBehind.of(moved)
         if attempt_outcome:
-            update(Attempt, {"ended_at": now, "outcome": attempt_outcome,
+            update(Attempt, {**(attempt_fields or {}), "ended_at": now, "outcome": attempt_outcome,
                              "error_code": (fields.get("error_code") or "")[:64],
                              "error_class": (data or {}).get("error_class", "")[:32]},
                    "t.task_id = %s AND t.generation = %s AND t.ended_at IS NULL",

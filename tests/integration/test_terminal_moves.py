@@ -17,6 +17,7 @@ from django.utils import timezone
 from tasks import counters, workers
 from tasks.lifecycle import task_update
 from tasks.models import (
+    Attempt,
     BudgetSlot,
     DuplicateIncident,
     FileVersion,
@@ -217,7 +218,29 @@ def test_a_task_that_succeeds_with_one_job_while_no_lane_waits_reads_neither_its
                    if q["sql"].lstrip().startswith(f'UPDATE "{BudgetSlot._meta.db_table}"')]
     assert len(slot_writes) == 2, slot_writes
     assert BudgetSlot.objects.filter(task=task).count() == 2 and _open_slots(task) == 0
+    # Its attempt learnt its upload's time and its job, written with its end in one statement.
+    attempt_writes = [q["sql"] for q in statements.captured_queries
+                      if q["sql"].lstrip().startswith(f'UPDATE "{Attempt._meta.db_table}"')]
+    assert len(attempt_writes) == 1, attempt_writes
+    attempt = Attempt.objects.get(task=task)
+    job = VendorJob.objects.get(task=task)
+    assert (attempt.outcome, attempt.vendor_job_id) == (Attempt.Outcome.SUCCEEDED, job.vendor_job_id)
+    assert attempt.upload_ms is not None and attempt.ended_at is not None
     assert vendor.control.invariants()["billed_jobs"] == 1
+
+
+def test_a_job_created_finished_whose_download_fails_has_its_attempt_noted_all_the_same(vendor, api, monkeypatch):
+    _at_once(vendor)
+    vendor.control.add_rule({"endpoint": "GET /v1/jobs/*/result", "type": "http_error", "params": {"status": 503},
+                             "times": 1})
+    monkeypatch.setenv("Q_CLUSTER_NAME", "interactive")
+    task = Task.objects.get(pk=submit_file(api, priority="interactive"))
+    assert workers.run_step("precheck", str(task.pk), task.generation) == "started"
+    task.refresh_from_db()
+    assert task.state == State.RUNNING and task.phase == Task.Phase.FETCH
+    attempt = Attempt.objects.get(task=task)
+    assert attempt.vendor_job_id == task.vendor_job.vendor_job_id and attempt.upload_ms is not None
+    assert attempt.ended_at is None, "the attempt goes on with the download's retry"
 
 
 def test_the_slots_a_finished_task_leaves_go_at_once_to_the_task_waiting_for_them(vendor, api):

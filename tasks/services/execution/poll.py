@@ -3,6 +3,7 @@ job is fetched with its own retries, never abandoned."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.utils import timezone
@@ -60,11 +61,22 @@ def _poll(task: Task) -> str:
     return job_seen(task, job, view)
 
 
-def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False, audited: bool = False) -> str:
+@dataclass(frozen=True)
+class SoFar:
+    """What the step that created a job the vendor answered finished already did with it, so
+    that the same step's fetch does not do it again."""
+
+    said: bool = False  # its completion is in the task's history (with the job's creation)
+    audited: bool = False  # the operation's jobs were listed since the create
+    attempt: dict[str, Any] = field(default_factory=dict)  # the attempt's fields not written yet: with its end
+
+
+NOTHING_YET = SoFar()
+
+
+def job_seen(task: Task, job: VendorJob, view: JobView, *, so_far: SoFar = NOTHING_YET) -> str:
     """What the vendor says of the task's job (a poll's answer, or the create's when it already
-    says how the job ended): a finished job is fetched or its failure handled in this step.
-    `said`: its completion is in the task's history already (with the job's creation).
-    `audited`: this step listed the operation's jobs since the create (not again before the task ends)."""
+    says how the job ended): a finished job is fetched or its failure handled in this step."""
     if view.status != job.status:
         VendorJob.objects.filter(pk=job.pk).update(status=view.status)
         if view.status == "processing":
@@ -77,7 +89,7 @@ def job_seen(task: Task, job: VendorJob, view: JobView, *, said: bool = False, a
     if job.terminal_at is None:
         vendor_job_terminal(job, view.status)
     if view.status == "completed":
-        return _completed(task, job, view, said=said, audited=audited)
+        return _completed(task, job, view, so_far=so_far)
     failure = job_failure(view)
     if view.status == "failed" and not view.error_retryable:
         refused(task, source=S.RUNNING, code=failure.code, message=failure.message)
@@ -116,7 +128,7 @@ def step_fetch(task_id: Any, generation: int) -> str:
     return leased(task_id, generation, S.RUNNING, _fetch, phase=P.FETCH)
 
 
-def _completed(task: Task, job: VendorJob, view: JobView, *, said: bool = False, audited: bool = False) -> str:
+def _completed(task: Task, job: VendorJob, view: JobView, *, so_far: SoFar = NOTHING_YET) -> str:
     """The vendor reports the job completed (and billed it): from here on it is fetched, never
     abandoned — only the business deadline or a refusal ends the download's retries."""
     if view.input_sha256 and view.input_sha256 != task.file.sha256:
@@ -125,19 +137,19 @@ def _completed(task: Task, job: VendorJob, view: JobView, *, said: bool = False,
     if (job.result_sha256, job.result_size) != (view.result_sha256 or "", view.result_size):
         VendorJob.objects.filter(pk=job.pk).update(result_sha256=view.result_sha256 or "", result_size=view.result_size)
         job.result_sha256, job.result_size = view.result_sha256 or "", view.result_size
-    if not said:
+    if not so_far.said:
         lifecycle.record_event(task.pk, generation=task.generation, actor=actor(), reason="the vendor completed the job",
                                data={"vendor_status": "completed"})
     if task.phase != P.FETCH or task.fetch_attempts:
         task_update(task.pk, state=S.RUNNING, generation=task.generation, phase=P.FETCH, fetch_attempts=0)
     task.phase, task.fetch_attempts = P.FETCH, 0
-    return _fetch(task, audited=audited)
+    return _fetch(task, so_far=so_far)
 
 
-def _fetch(task: Task, *, audited: bool = False) -> str:
+def _fetch(task: Task, *, so_far: SoFar = NOTHING_YET) -> str:
     """Download the completed job's result, check it, and end the task with it. Before the move,
     the operation's jobs are listed for duplicates, unless this step did so since the create
-    (`audited`: the job was created finished, milliseconds ago)."""
+    (the job was created finished, milliseconds ago)."""
     g = task.generation
     job = task.vendor_job
     vendor = vendor_of(task)
@@ -170,7 +182,7 @@ def _fetch(task: Task, *, audited: bool = False) -> str:
             return "fetch_retry"
         VendorJob.objects.filter(pk=job.pk).update(integrity_flag="result_digest_mismatch")
         return _integrity_failure(task, "the result's sha256 does not match what the vendor declared")
-    if not audited:
+    if not so_far.audited:
         audit_duplicates(task, task.channel, vendor, keep_job_id=job.vendor_job_id)
     try:
         relative = publish_result(dest)
@@ -183,7 +195,8 @@ def _fetch(task: Task, *, audited: bool = False) -> str:
         fields=dict(result_path=relative, result_sha256=fetched.sha256, result_size=fetched.size,
                     result_content_type=fetched.content_type[:100], lease_owner="", lease_expires_at=None,
                     error_code="", error_message=""),
-        attempt_outcome=Attempt.Outcome.SUCCEEDED, data={"vendor_job_id": job.vendor_job_id, "sha256": fetched.sha256},
+        attempt_outcome=Attempt.Outcome.SUCCEEDED, attempt_fields=so_far.attempt,
+        data={"vendor_job_id": job.vendor_job_id, "sha256": fetched.sha256},
     )
     breaker.refund_retry_token(task.channel)
     if moved is None:

@@ -34,7 +34,7 @@ from tasks.services.execution.jobs import (
     vendor_of,
 )
 from tasks.services.execution.lease import Lease, actor, lease_seconds, load_task, worker_id
-from tasks.services.execution.poll import job_seen
+from tasks.services.execution.poll import SoFar, job_seen
 from tasks.services.execution.retry import fail, refused, retry_or_fallback, to_reconciling
 from tasks.states import State
 from tasks.storage import StorageUnavailable, local_copy
@@ -158,16 +158,17 @@ def submit(task: Task, lease: Lease) -> str | None:
     except VendorError as err:
         hold = upload_drain_s(channel) if err.bytes_sent and err.outcome == Outcome.AMBIGUOUS else 0.0
         slots_release(task.pk, UPLOAD, reason="upload ended", hold_s=hold)
-        update(Attempt, {"upload_ms": int((time.monotonic() - started) * 1000)}, ATTEMPT_OF, [("task", task.pk), ("generation", g)])
+        _attempt_noted(task, g, {"upload_ms": int((time.monotonic() - started) * 1000)})
         _submit_failed(task, err, stage=stage)
         return None
     if not uploaded:
         slots_release(task.pk, UPLOAD, reason="upload done")
-    update(Attempt, {"upload_ms": int((time.monotonic() - started) * 1000), "vendor_job_id": created.job.id},
-           ATTEMPT_OF, [("task", task.pk), ("generation", g)])
+    attempt = {"upload_ms": int((time.monotonic() - started) * 1000), "vendor_job_id": created.job.id}
     # A vendor that answers the create with the job already finished (a fast engine, a replayed
     # key) is not polled for what it just said: the result is fetched in this step, under its lease.
     finished = created.job.terminal
+    if not finished:
+        _attempt_noted(task, g, attempt)
     completed = created.job.status == "completed"
     # Its completion is said in the creation's history entry, unless the vendor says it processed
     # another input than ours (the integrity failure is what is recorded then).
@@ -177,10 +178,23 @@ def submit(task: Task, lease: Lease) -> str | None:
     if channel.audit_after_create:
         # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
         audited = audit_duplicates(task, channel, vendor, keep_job_id=created.job.id) is not None
-    if finished and job is not None:
-        lease.heartbeat()  # renewed before the download, as between upload chunks
-        return job_seen(task, job, created.job, said=said, audited=audited)
-    return None
+    if not finished:
+        return None
+    ended = None
+    try:
+        if job is not None:
+            lease.heartbeat()  # renewed before the download, as between upload chunks
+            # The attempt's upload time and job are written with its end when the task succeeds here.
+            ended = job_seen(task, job, created.job, so_far=SoFar(said=said, audited=audited, attempt=attempt))
+    finally:
+        if ended != "succeeded":  # whatever else became of the step
+            _attempt_noted(task, g, attempt)
+    return ended
+
+
+def _attempt_noted(task: Task, generation: int, fields: dict[str, Any]) -> None:
+    """What the task's attempt at `generation` learnt (its upload's time, its vendor job)."""
+    update(Attempt, fields, ATTEMPT_OF, [("task", task.pk), ("generation", generation)])
 
 
 def uses_two_step(channel: VendorChannel, capabilities: Capabilities) -> bool:
