@@ -240,10 +240,12 @@ def tenant_counts(tenant_id: Any) -> dict[str, int]:
 
 
 
-def lanes_with_load(names: list[str]) -> dict[str, Lane]:
+def lanes_with_load(names: list[str], *, also: tuple[str, str, list] | None = None) -> dict[str, Lane]:
     """The lanes, each with what its admission gate weighs, in one statement: `waiting_now`
     (ACCEPTED or queued, not dispatched), `running_now` (holding a slot) and `oldest_waiting_at`
-    (found at the start of its index range, whatever the backlog).
+    (found at the start of its index range, whatever the backlog). `also`: one more column the
+    caller reads in the same statement (its name, its SQL over the lane `t`, its parameters as
+    `tasks.rows.select` takes them).
 
     Written as SQL: intake runs it on every submission, and compiling the same query through the
     ORM's subqueries cost 1.6 ms a request, ten times what the database spends on it (and read
@@ -258,9 +260,12 @@ def lanes_with_load(names: list[str]) -> dict[str, Lane]:
         "running_now": f"COALESCE((SELECT SUM(c.dispatched + c.in_flight) FROM {TABLE} c WHERE c.lane = t.name), 0)",
         "oldest_accepted_at": oldest(State.ACCEPTED), "oldest_queued_at": oldest(State.QUEUED),
     }
+    params = [(None, name) for name in names]
+    if also is not None:
+        extra[also[0]] = also[1]  # the last column: its parameters come before the condition's
+        params = [*also[2], *params]
     found = {}
-    for lane in select(Lane, f"t.name IN ({', '.join(['%s'] * len(names))})", [(None, name) for name in names],
-                       extra=extra):
+    for lane in select(Lane, f"t.name IN ({', '.join(['%s'] * len(names))})", params, extra=extra):
         moments = (_moment(lane.oldest_accepted_at), _moment(lane.oldest_queued_at))
         lane.oldest_waiting_at = min((t for t in moments if t), default=None)
         lane.waiting_now, lane.running_now = int(lane.waiting_now), int(lane.running_now)

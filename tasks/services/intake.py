@@ -8,16 +8,19 @@ message is lost, the dispatcher finds the ACCEPTED task and sends it again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connections, router, transaction
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from tasks import counters, filetypes, locks, timescale
 from tasks.errors import (
@@ -224,9 +227,15 @@ class _Lanes:
     that is not open there is not acted on (no refusal, no shed, no deferral) but raises
     _GateClosed, so that the caller decides again under the locks."""
 
-    def __init__(self, names: list[str], *, tentative: bool = False) -> None:
+    def __init__(self, names: list[str], *, tentative: bool = False,
+                 holders_of: tuple[Tenant, list[str]] | None = None) -> None:
+        """`holders_of`: the tasks already holding these keys of the tenant are read in the same
+        statement (`holders`), as _tasks_by_key reads them."""
         self.tentative = tentative
-        self.lanes = counters.lanes_with_load(names) if names else {}
+        also = _holders_column(*holders_of, first_lane=names[0]) if holders_of and names else None
+        self.lanes = counters.lanes_with_load(names, also=also) if names else {}
+        # None if not read (no keys, or no row for the first lane to carry them)
+        self.holders = _holders(self.lanes[names[0]].key_holders) if also and names[0] in self.lanes else None
         self.loads = {name: {"waiting": lane.waiting_now, "running": lane.running_now, "oldest": lane.oldest_waiting_at}
                       for name, lane in self.lanes.items()}
 
@@ -311,7 +320,10 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             if not tentative:
                 locks.hold(*held)
         key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
-        used = _tasks_by_key(tenant, list(key_taken))
+        # The lanes' load is read with the tasks holding the request's keys, in one statement
+        # (under the gates' locks, or unlocked for a tentative decision, as the lanes are read).
+        first = _Lanes(lane_names, tentative=tentative, holders_of=(tenant, list(key_taken)) if key_taken else None)
+        used = first.holders if first.holders is not None else _tasks_by_key(tenant, list(key_taken))
         now = timezone.now()
 
         def decide(lanes: _Lanes, at) -> _Decided:
@@ -322,7 +334,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
         decided = None
         if tentative:
             try:
-                decided = decide(_Lanes(lane_names, tentative=True), now)
+                decided = decide(first, now)
             except _GateClosed:
                 locks.hold(*held)
         if decided is not None and decided.accepted:
@@ -338,7 +350,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
         if decided is None:
             # Taken under the locks, it is taken now: after a long wait for them, the stamp read
             # before would make this request's own tasks look long overdue to its lane's gate.
-            decided = decide(_Lanes(lane_names), now if not tentative else timezone.now())
+            decided = decide(_Lanes(lane_names) if tentative else first, now if not tentative else timezone.now())
             _write(decided)
         # Pre-checks run on the workers of the task's provisional lane: a batch flood's
         # pre-checks never queue in front of an interactive task's.
@@ -448,6 +460,37 @@ def _tasks_by_key(tenant: Tenant, keys: list[str]) -> dict[str, Task]:
     return {task.idempotency_key: task for task in found}
 
 
+def _holders_column(tenant: Tenant, keys: list[str], *, first_lane: str) -> tuple[str, str, list]:
+    """The tasks holding these keys of the tenant as one JSON column of the lanes' read (`also`),
+    on the first lane's row only: an array of [key, task id, accepted at, fingerprint]."""
+    connection = connections[router.db_for_read(Task)]
+    tenant_id = Task._meta.get_field("tenant").get_db_prep_value(tenant.pk, connection)
+    return "key_holders", _holders_sql(connection.vendor, len(keys)), [(None, v) for v in (first_lane, tenant_id, *keys)]
+
+
+@functools.lru_cache(maxsize=64)
+def _holders_sql(vendor: str, count: int) -> str:
+    fingerprint = ("COALESCE(k.idempotency_fingerprint, "
+                   "(SELECT r.fingerprint FROM tasks_idempotencyrecord r WHERE r.task_id = k.id))")
+    row = f"k.idempotency_key, k.id, k.created_at, {fingerprint}"
+    rows = f"json_agg(json_build_array({row}))" if vendor == "postgresql" else f"json_group_array(json_array({row}))"
+    return (f"CASE WHEN t.name = %s THEN (SELECT {rows} FROM tasks_task k "
+            f"WHERE k.tenant_id = %s AND k.idempotency_key IN ({', '.join(['%s'] * count)})) END")
+
+
+def _holders(column: Any) -> dict[str, Task]:
+    """The key holders as `_tasks_by_key` gives them, from their JSON column (text on SQLite)."""
+    found = json.loads(column) if isinstance(column, str) else (column or [])
+    holders = {}
+    for key, task_id, accepted_at, fingerprint in found:
+        moment = parse_datetime(accepted_at)
+        task = Task(id=uuid.UUID(str(task_id)), idempotency_key=key,
+                    created_at=timezone.make_aware(moment, UTC) if timezone.is_naive(moment) else moment)
+        task.key_fingerprint = fingerprint
+        holders[key] = task
+    return holders
+
+
 def _lane_for(file: FileVersion, priority: str) -> str:
     """The task's provisional lane: from its size, and from its pre-check where that has run."""
     findings = file.precheck_findings if file.precheck_state == FileVersion.Precheck.PASSED else None
@@ -555,8 +598,6 @@ def _estimated_units(kind: str, findings: dict[str, Any] | None) -> int | None:
 
 
 def _uuid_or_none(value: str):
-    import uuid
-
     try:
         return uuid.UUID(str(value))
     except ValueError:

@@ -135,6 +135,23 @@ def test_same_key_same_request_replays_the_original_task(api):
     assert Task.objects.count() == 1
 
 
+def test_a_keys_holder_is_read_with_the_lanes_load_in_one_statement(api):
+    """A submission reads the task already holding its key in the statement that reads its lane's
+    load, not in one of its own; a key held, and one held by no task, are told apart all the same."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
+    for expected in (False, True):  # a new key, then its replay
+        with CaptureQueriesContext(connection) as statements:
+            answer = submit(api, body, key="read-once")
+        assert answer.status_code == 202 and (answer.get("Idempotent-Replayed") == "true") == expected
+        reads = [q["sql"] for q in statements.captured_queries if "idempotency_key IN" in q["sql"]]
+        assert len(reads) == 1 and "tasks_lane" in reads[0], reads
+    assert Task.objects.count() == 1
+
+
 @pytest.mark.parametrize("change", [
     {"target_format": "srt"}, {"kind": "transcription", "target_format": "json"}, {"priority": "batch"},
     {"params": {"language": "de"}}, {"deadline_s": 7200}, {"callback_url": "https://93.184.216.34/other"},
