@@ -45,7 +45,7 @@ from tasks.vendors.dialects import capabilities_for
 from tasks.vendors.errors import StopUpload, VendorError
 from tasks.vendors.http import SEND_BUFFER
 from tasks.vendors.policies import PollPolicy
-from tasks.vendors.protocol import Created, JobRequest
+from tasks.vendors.protocol import Created, JobRequest, VendorAdapter
 
 S = State
 P = Task.Phase
@@ -169,32 +169,49 @@ def submit(task: Task, lease: Lease) -> str | None:
     finished = created.job.terminal
     if not finished:
         _attempt_noted(task, g, attempt)
-    completed = created.job.status == "completed"
-    # Its completion is said in the creation's history entry, unless the vendor says it processed
-    # another input than ours (the integrity failure is what is recorded then).
-    said = completed and created.job.input_sha256 in ("", None, file.sha256)
-    job = _job_created(task, created, keep_lease=finished, completed=completed, said=said)
-    audited = False
-    if channel.audit_after_create:
-        # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
-        audited = audit_duplicates(task, channel, vendor, keep_job_id=created.job.id) is not None
-    if not finished:
-        return None
-    ended = None
+    # When it finished, the attempt's upload time and job are written with its end if the task
+    # succeeds in this step, else once the step is done with it (whatever became of it).
     try:
-        if job is not None:
-            lease.heartbeat()  # renewed before the download, as between upload chunks
-            # The attempt's upload time and job are written with its end when the task succeeds here.
-            ended = job_seen(task, job, created.job, so_far=SoFar(said=said, audited=audited, attempt=attempt))
-    finally:
-        if ended != "succeeded":  # whatever else became of the step
-            _attempt_noted(task, g, attempt)
+        ended = _created(task, lease, vendor, created, finished=finished, attempt=attempt)
+    except BaseException as exc:
+        if finished:
+            _attempt_noted(task, g, attempt, during=exc)
+        raise
+    if finished and ended != "succeeded":
+        _attempt_noted(task, g, attempt)
     return ended
 
 
-def _attempt_noted(task: Task, generation: int, fields: dict[str, Any]) -> None:
-    """What the task's attempt at `generation` learnt (its upload's time, its vendor job)."""
-    update(Attempt, fields, ATTEMPT_OF, [("task", task.pk), ("generation", generation)])
+def _created(task: Task, lease: Lease, vendor: VendorAdapter, created: Created, *, finished: bool,
+             attempt: dict[str, Any]) -> str | None:
+    """Record the job the vendor created and audit its operation; a job it created `finished`
+    is seen (fetched, or its failure handled) in this step, and what came of it is returned."""
+    completed = created.job.status == "completed"
+    # Its completion is said in the creation's history entry, unless the vendor says it processed
+    # another input than ours (the integrity failure is what is recorded then).
+    said = completed and created.job.input_sha256 in ("", None, task.file.sha256)
+    job = _job_created(task, created, keep_lease=finished, completed=completed, said=said)
+    audited = False
+    if task.channel.audit_after_create:
+        # A vendor that ignores keys or double-creates is caught while the extras can be stopped.
+        audited = audit_duplicates(task, task.channel, vendor, keep_job_id=created.job.id) is not None
+    if not finished or job is None:
+        return None
+    lease.heartbeat()  # renewed before the download, as between upload chunks
+    return job_seen(task, job, created.job, so_far=SoFar(said=said, audited=audited, attempt=attempt))
+
+
+def _attempt_noted(task: Task, generation: int, fields: dict[str, Any], *, during: BaseException | None = None) -> None:
+    """What the task's attempt at `generation` learnt (its upload's time, its vendor job).
+    `during`: written while that exception ends the step; failing then, it is only logged (the
+    step's own exception, not this one, says what happened)."""
+    try:
+        update(Attempt, fields, ATTEMPT_OF, [("task", task.pk), ("generation", generation)])
+    except Exception as exc:
+        if during is None:
+            raise
+        log_event("attempt_not_noted", logging.WARNING, task_id=task.pk, generation=generation,
+                  error_class=type(exc).__name__)
 
 
 def uses_two_step(channel: VendorChannel, capabilities: Capabilities) -> bool:
