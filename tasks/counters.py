@@ -30,17 +30,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
 from django.db.models import Sum
-from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 
 from tasks.models import Lane, LaneTenantLoad
 from tasks.observability import log_event
-from tasks.rows import select
+from tasks.rows import moment, select
 from tasks.states import IN_FLIGHT_STATES, State
 
 STAGES = ("accepted", "queued", "dispatched", "in_flight", "retry_wait")
@@ -266,14 +263,8 @@ def lanes_with_load(names: list[str], *, also: tuple[str, str, list] | None = No
         params = [*also[2], *params]
     found = {}
     for lane in select(Lane, f"t.name IN ({', '.join(['%s'] * len(names))})", params, extra=extra):
-        moments = (_moment(lane.oldest_accepted_at), _moment(lane.oldest_queued_at))
+        moments = (moment(lane.oldest_accepted_at), moment(lane.oldest_queued_at))
         lane.oldest_waiting_at = min((t for t in moments if t), default=None)
         lane.waiting_now, lane.running_now = int(lane.waiting_now), int(lane.running_now)
         found[lane.pk] = lane
     return found
-
-
-def _moment(value: Any) -> datetime | None:
-    """A timestamp column read by hand: SQLite gives its text (UTC), PostgreSQL an aware datetime."""
-    moment = parse_datetime(value) if isinstance(value, str) else value
-    return timezone.make_aware(moment, UTC) if moment is not None and timezone.is_naive(moment) else moment

@@ -11,10 +11,11 @@ the model's own fields, as the ORM prepares and converts them.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
@@ -41,6 +42,8 @@ from django.db.models.base import ModelState
 from django.db.models.expressions import CombinedExpression
 from django.db.models.fields.reverse_related import ForeignObjectRel
 from django.db.models.signals import post_init, pre_init
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 _COLUMNS: dict[tuple[type, str], tuple[list, str]] = {}
 _PREPARERS: dict[tuple[type, str], list[Callable[[Model, Any], Any]]] = {}
@@ -292,6 +295,30 @@ class _Shape:
 
 _SELECTS: dict[tuple, _Shape] = {}
 _FIELDS: dict[tuple[type, str], Any] = {}
+
+
+def json_rows_sql(vendor: str, columns: str) -> str:
+    """An aggregate of a subquery's rows as one JSON array of arrays (each row's `columns`, SQL),
+    so that a statement can read another table's rows as one column of its own; read back with
+    `json_rows`. SQLite's json_group_array gives '[]' for no rows, PostgreSQL's json_agg NULL."""
+    if vendor == "postgresql":
+        return f"json_agg(json_build_array({columns}))"
+    return f"json_group_array(json_array({columns}))"
+
+
+def json_rows(value: Any) -> list[list[Any]]:
+    """The rows of a `json_rows_sql` column as read (text on SQLite, parsed by psycopg, or None),
+    or rows given as a list already."""
+    if isinstance(value, str):
+        return json.loads(value)
+    return value or []
+
+
+def moment(value: Any) -> datetime | None:
+    """A timestamp read by hand (a raw column, or a JSON value): SQLite gives its text (UTC),
+    PostgreSQL an aware datetime or, inside JSON, ISO text with its offset."""
+    found = parse_datetime(value) if isinstance(value, str) else value
+    return timezone.make_aware(found, UTC) if found is not None and timezone.is_naive(found) else found
 
 
 def _field(model: type[Model], name: str) -> Any:

@@ -9,15 +9,15 @@ holds the budget until the job is confirmed terminal) or once it is proven no jo
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from django.db import connections, router
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
-from tasks.rows import insert_rows, new_row, update
+from tasks.rows import insert_rows, json_rows, json_rows_sql, new_row, update
 from tasks.states import State
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
@@ -69,14 +69,12 @@ def channels_usage(channels: list[VendorChannel]) -> dict[str, ChannelUsage]:
     return {name: usage_of(rows) for name, rows in counted.items()}
 
 
-def usage_of(counted) -> ChannelUsage:
-    """A channel's usage from its counts (kind, the task's lane, how many), as `usage_sql` or
-    `_usage_sql` read them (a JSON array's text, or the array, or None: nothing is held)."""
-    if isinstance(counted, str):
-        counted = json.loads(counted)
+def usage_of(counted: Any) -> ChannelUsage:
+    """A channel's usage from its counts (kind, the task's lane, how many): `usage_sql`'s JSON
+    column as read, or channels_usage's rows of the channel."""
     jobs = uploads = 0
     by_lane: dict[str, int] = {}
-    for kind, lane, n in counted or ():
+    for kind, lane, n in json_rows(counted):
         if kind == UPLOAD:
             uploads += n
             continue
@@ -100,11 +98,8 @@ def usage_sql(alias: str, channel: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _usage_json(alias: str) -> str:
-    connection = connections[alias]
     counted = _counted(alias, "= {channel}", by_channel=False)
-    if connection.vendor == "postgresql":
-        return f"SELECT json_agg(json_build_array(u.k, u.l, u.n)) FROM ({counted}) u"
-    return f"SELECT json_group_array(json_array(u.k, u.l, u.n)) FROM ({counted}) u"
+    return f"SELECT {json_rows_sql(connections[alias].vendor, 'u.k, u.l, u.n')} FROM ({counted}) u"
 
 
 @functools.lru_cache(maxsize=64)

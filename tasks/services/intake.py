@@ -14,13 +14,12 @@ import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import connections, router, transaction
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 
 from tasks import counters, filetypes, locks, timescale
 from tasks.errors import (
@@ -38,7 +37,7 @@ from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_steps_on_commit
-from tasks.rows import insert_rows, new_row, select
+from tasks.rows import insert_rows, json_rows, json_rows_sql, moment, new_row, select
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
@@ -454,9 +453,7 @@ def _tasks_by_key(tenant: Tenant, keys: list[str]) -> dict[str, Task]:
         return {}
     found = select(Task, f"t.tenant_id = %s AND t.idempotency_key IN ({', '.join(['%s'] * len(keys))})",
                    [("tenant", tenant.pk), *(("idempotency_key", key) for key in keys)],
-                   only=("idempotency_key", "created_at"),
-                   extra={"key_fingerprint": "COALESCE(t.idempotency_fingerprint, (SELECT r.fingerprint FROM "
-                                             "tasks_idempotencyrecord r WHERE r.task_id = t.id))"})
+                   only=("idempotency_key", "created_at"), extra={"key_fingerprint": _key_fingerprint("t")})
     return {task.idempotency_key: task for task in found}
 
 
@@ -468,24 +465,25 @@ def _holders_column(tenant: Tenant, keys: list[str], *, first_lane: str) -> tupl
     return "key_holders", _holders_sql(connection.vendor, len(keys)), [(None, v) for v in (first_lane, tenant_id, *keys)]
 
 
+def _key_fingerprint(task: str) -> str:
+    """The fingerprint of the request that made the task aliased `task`, as SQL (a task a process
+    of the release before migration 0025 accepted has it in the key's record only)."""
+    return (f"COALESCE({task}.idempotency_fingerprint, "
+            f"(SELECT r.fingerprint FROM tasks_idempotencyrecord r WHERE r.task_id = {task}.id))")
+
+
 @functools.lru_cache(maxsize=64)
 def _holders_sql(vendor: str, count: int) -> str:
-    fingerprint = ("COALESCE(k.idempotency_fingerprint, "
-                   "(SELECT r.fingerprint FROM tasks_idempotencyrecord r WHERE r.task_id = k.id))")
-    row = f"k.idempotency_key, k.id, k.created_at, {fingerprint}"
-    rows = f"json_agg(json_build_array({row}))" if vendor == "postgresql" else f"json_group_array(json_array({row}))"
+    rows = json_rows_sql(vendor, f"k.idempotency_key, k.id, k.created_at, {_key_fingerprint('k')}")
     return (f"CASE WHEN t.name = %s THEN (SELECT {rows} FROM tasks_task k "
             f"WHERE k.tenant_id = %s AND k.idempotency_key IN ({', '.join(['%s'] * count)})) END")
 
 
 def _holders(column: Any) -> dict[str, Task]:
-    """The key holders as `_tasks_by_key` gives them, from their JSON column (text on SQLite)."""
-    found = json.loads(column) if isinstance(column, str) else (column or [])
+    """The key holders as `_tasks_by_key` gives them, from their JSON column."""
     holders = {}
-    for key, task_id, accepted_at, fingerprint in found:
-        moment = parse_datetime(accepted_at)
-        task = Task(id=uuid.UUID(str(task_id)), idempotency_key=key,
-                    created_at=timezone.make_aware(moment, UTC) if timezone.is_naive(moment) else moment)
+    for key, task_id, accepted_at, fingerprint in json_rows(column):
+        task = Task(id=uuid.UUID(str(task_id)), idempotency_key=key, created_at=moment(accepted_at))
         task.key_fingerprint = fingerprint
         holders[key] = task
     return holders
