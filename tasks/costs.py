@@ -83,7 +83,7 @@ def totals(folder: Path) -> dict[str, int]:
 
 _KIND = re.compile(r'\s*(?:(INSERT INTO|UPDATE|DELETE FROM)\s*"?(\w*)|(SELECT)(?:.*?\bFROM\b)?\s*"?(\w*)|(\w+))',
                    re.IGNORECASE | re.DOTALL)
-_MAIN_AFTER_WITH = re.compile(r'\)\s*(INSERT INTO|UPDATE|DELETE FROM|SELECT)\b\s*"?(\w*)', re.IGNORECASE)
+_VERB_OR_PAREN = re.compile(r'[()]|\b(INSERT INTO|UPDATE|DELETE FROM|SELECT)\b\s*"?(\w*)', re.IGNORECASE)
 _TABLED = {"SELECT", "INSERT INTO", "UPDATE", "DELETE FROM"}
 
 
@@ -112,8 +112,7 @@ def _kind(sql: str) -> str:
     verb = (found.group(1) or found.group(3) or found.group(5)).upper()
     table = found.group(2) or found.group(4) or ""
     if verb == "WITH":
-        main = _MAIN_AFTER_WITH.search(sql)
-        return f"WITH {main.group(1).upper()} {main.group(2)}".strip() if main else "WITH"
+        return _after_with(sql)
     if verb == "SELECT":
         depth = 0
         for token in _PAREN_OR_FROM.finditer(text):
@@ -125,6 +124,26 @@ def _kind(sql: str) -> str:
                 table = token.group(1)
                 break
     return f"{verb} {table}".strip() if verb in _TABLED else verb
+
+
+def _after_with(sql: str) -> str:
+    """A WITH statement by its main part, the first verb outside the parentheses of its parts
+    (`WITH moved AS (UPDATE …), w0 AS (INSERT … SELECT …) INSERT INTO …`), and the table of that
+    part's own FROM for a SELECT (`WITH SELECT moved`)."""
+    depth, main = 0, None
+    for token in _VERB_OR_PAREN.finditer(sql):
+        if token.group(0) in "()":
+            depth += 1 if token.group(0) == "(" else -1
+        elif depth == 0:
+            main = token
+            break
+    if main is None:
+        return "WITH"
+    verb, table = main.group(1).upper(), main.group(2)
+    if verb == "SELECT":
+        rest = _kind(sql[main.start():])
+        table = rest.split(" ", 1)[1] if " " in rest else ""
+    return f"WITH {verb} {table}".strip()
 
 
 def _statement(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:

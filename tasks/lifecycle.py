@@ -89,6 +89,7 @@ def transition(
     at: datetime | None = None,
     then: list[Hop] | None = None,
     returning: tuple[str, ...] = (),
+    writes: tuple[rows.Write, ...] = (),
 ) -> Moved | None:
     """Move a task from `source` at `generation` to `target`; None if it was not there any more.
     `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too.
@@ -98,7 +99,9 @@ def transition(
     `returning`: SQL expressions over the moved row, as it is after the move, whose values the
     move's own statement returns (`Moved.said`, in their order), for a caller that would otherwise
     read the row again; the row's columns are written `{row}.<column>` (its alias on PostgreSQL;
-    SQLite's RETURNING knows the table by its own name only)."""
+    SQLite's RETURNING knows the table by its own name only).
+    `writes`: other rows' writes that commit with the move (`rows.Write`: the attempt's end, the
+    slots an admission reserves), in the move's own statement on PostgreSQL."""
     hops = [Hop(target, actor, reason, data), *(then or [])]
     states = [State(source), *(State(hop.target) for hop in hops)]
     for before, after in zip(states, states[1:], strict=False):
@@ -116,14 +119,22 @@ def transition(
     alias = router.db_for_write(Task)
     returning = _over_the_row(returning, alias)
     if connections[alias].vendor == "postgresql":
-        moved, said = _update_and_record(row, changes, events, returning=returning)
+        moved, said = _update_and_record(row, changes, events, returning=returning, writes=writes)
     else:
         # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
         with transaction.atomic(using=alias, savepoint=False):
             moved, said = _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
             if moved:
                 insert_rows(events, using=alias)
+            _run_writes(writes, moved=moved)
     return Moved(generation=generation + len(hops), said=said) if moved else None
+
+
+def _run_writes(writes: tuple[rows.Write, ...], *, moved: bool) -> None:
+    """The writes that go with a move, each as a statement of its own (SQLite), after it."""
+    for write in writes:
+        if moved or not write.if_moved:
+            write.run()
 
 
 def _over_the_row(returning: tuple[str, ...], alias: str) -> tuple[str, ...]:
@@ -177,11 +188,12 @@ _EVENT_COLUMNS = ("task_id", "from_state", "to_state", "generation", "actor", "r
 
 
 def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent], *,
-                       returning: tuple[str, ...] = ()) -> tuple[bool, tuple | None]:
+                       returning: tuple[str, ...] = (), writes: tuple[rows.Write, ...] = ()) -> tuple[bool, tuple | None]:
     """The compare-and-set and its history entries in one statement (PostgreSQL): the UPDATE's
     RETURNING feeds the INSERT, so the entries exist exactly when the row moved, without a
     transaction of their own or a second round trip. With `returning`, the statement also
-    returns their values on the moved row: (moved, those values; None when the ORM built the UPDATE)."""
+    returns their values on the moved row: (moved, those values; None when the ORM built the UPDATE).
+    `writes` are statements of the same WITH (`rows.Write.over_moved`)."""
     alias = router.db_for_write(Task)
     connection = connections[alias]
     pk = connection.ops.quote_name(Task._meta.pk.column)
@@ -203,44 +215,75 @@ def _update_and_record(row: dict[str, Any], changes: dict[str, Any], events: lis
     casts = ", ".join(f"%s::{field.db_type(connection)}" for field in fields[1:])
     names = ", ".join(f"c{n}" for n in range(1, len(fields)))
     values = [field.get_db_prep_save(getattr(event, field.attname), connection) for event in events for field in fields[1:]]
-    rows = ", ".join([f"({casts})"] * len(events))
+    entries = ", ".join([f"({casts})"] * len(events))
     record = (f"INSERT INTO {connection.ops.quote_name(TaskEvent._meta.db_table)} ({columns}) "
-              f"SELECT moved.{pk}, {names} FROM moved CROSS JOIN (VALUES {rows}) AS entries ({names}) "
+              f"SELECT moved.{pk}, {names} FROM moved CROSS JOIN (VALUES {entries}) AS entries ({names}) "
               f"ORDER BY c{_EVENT_COLUMNS.index('generation')}")  # ids in the order of the moves
+    with_moved, with_params = _with_moved(update_sql, update_params, writes)
     with connection.cursor() as cursor:
         if not returning:
-            cursor.execute(f"WITH moved AS ({update_sql}) {record}", (*update_params, *values))
+            cursor.execute(f"{with_moved} {record}", (*with_params, *values))
             return cursor.rowcount == len(events), None
         # A data-modifying WITH runs whether or not the statement reads it: the entries are
-        # written exactly when the row moved, as above.
-        cursor.execute(f"WITH moved AS ({update_sql}), recorded AS ({record}) "
+        # written exactly when the row moved, as above (and so are the writes).
+        cursor.execute(f"{with_moved}, recorded AS ({record}) "
                        f"SELECT {', '.join(f'moved.{name}' for name in said)} FROM moved",
-                       (*update_params, *values))
+                       (*with_params, *values))
         found = cursor.fetchall()
         return bool(found), (tuple(found[0]) if found else None)
 
 
+def _with_moved(update_sql: str, update_params: list[Any], writes: tuple[rows.Write, ...]) -> tuple[str, list[Any]]:
+    """`WITH moved AS (<the move's UPDATE … RETURNING>), w0 AS (<a write>), …` and its parameters
+    (PostgreSQL): the writes see the moved row as `moved` (rows.Write.over_moved)."""
+    parts, params = [f"WITH moved AS ({update_sql})"], list(update_params)
+    for n, write in enumerate(writes):
+        sql, values = write.over_moved()
+        parts.append(f"w{n} AS ({sql})")
+        params += values
+    return ", ".join(parts), params
+
+
 def task_update(task_id: Any, *, state: State | str, generation: int, expect: dict[str, Any] | None = None,
-                **fields: Any) -> bool:
+                writes: tuple[rows.Write, ...] = (), **fields: Any) -> bool:
     """Write non-state columns only if the task is still at (state, generation) and, with
-    `expect`, those columns still hold what the caller read."""
+    `expect`, those columns still hold what the caller read. `writes` (`rows.Write`) go with the
+    update: in its statement on PostgreSQL; on SQLite each a statement after it, in the caller's
+    transaction if it has one (without one, a process that dies between them leaves the write
+    undone, as two statements in a row would)."""
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     fields["updated_at"] = timezone.now()
     if _CAS_KEYS & (expect or {}).keys():
         raise TypeError(f"expect may not name {sorted(_CAS_KEYS & expect.keys())}: the compare-and-set's own")
-    return bool(_update({"id": task_id, "state": state, "generation": generation, **(expect or {})}, fields))
+    conditions = {"id": task_id, "state": state, "generation": generation, **(expect or {})}
+    alias = router.db_for_write(Task)
+    if writes and connections[alias].vendor == "postgresql":
+        built = _built(conditions, fields, returning=f"t.{connections[alias].ops.quote_name(Task._meta.pk.column)}")
+        if built is not None:
+            with_moved, params = _with_moved(*built, writes)
+            with transaction.mark_for_rollback_on_error(using=alias), connections[alias].cursor() as cursor:
+                cursor.execute(f"{with_moved} SELECT COUNT(*) FROM moved", params)
+                return bool(cursor.fetchone()[0])
+        with transaction.atomic(using=alias, savepoint=False):  # the ORM's UPDATE: the writes after it
+            updated = bool(_update(conditions, fields))
+            _run_writes(writes, moved=updated)
+            return updated
+    updated = bool(_update(conditions, fields))
+    _run_writes(writes, moved=updated)
+    return updated
 
 
 _CAS_KEYS = {"id", "pk", "state", "generation"}
 
 
 def task_update_recorded(task_id: Any, *, state: State | str, generation: int, actor: str, reason: str,
-                         data: dict | None = None, returning: tuple[str, ...] = (), **fields: Any) -> Moved | None:
+                         data: dict | None = None, returning: tuple[str, ...] = (),
+                         writes: tuple[rows.Write, ...] = (), **fields: Any) -> Moved | None:
     """`task_update` and a history entry of it (a finding, not a state change), the entry written
     when the row was: one statement on PostgreSQL (as a transition's), two on SQLite. None if the
     task was not there any more; else the task at the same generation, with what `returning`
-    said (as `transition`'s)."""
+    said (as `transition`'s). `writes`: as `transition`'s."""
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     now = timezone.now()
@@ -251,12 +294,13 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
     alias = router.db_for_write(Task)
     returning = _over_the_row(returning, alias)
     if connections[alias].vendor == "postgresql":
-        updated, said = _update_and_record(row, fields, [event], returning=returning)
+        updated, said = _update_and_record(row, fields, [event], returning=returning, writes=writes)
     else:
         with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
             updated, said = _update_returning(row, fields, returning) if returning else (bool(_update(row, fields)), None)
             if updated:
                 insert_rows([event], using=alias)
+            _run_writes(writes, moved=updated)
     return Moved(generation=generation, said=said) if updated else None
 
 

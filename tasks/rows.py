@@ -425,6 +425,69 @@ def update(model: type[Model], changes: dict[str, Any], where: str, params: list
         return cursor.rowcount
 
 
+@dataclass(frozen=True)
+class Write:
+    """A write that commits with a task's move (`lifecycle.transition(writes=…)` and its kin):
+    `rows` inserted, or `changes` made to the rows of `model` matching `where` (as `update` takes
+    them); only if the task moved (`if_moved`), or whatever came of the move. On PostgreSQL it is
+    part of the move's own statement (a data-modifying WITH over the moved row, `moved`); on SQLite
+    it runs after the move, in its transaction. Either way it commits exactly with the move."""
+
+    model: type[Model]
+    rows: tuple[Model, ...] = ()
+    changes: dict[str, Any] | None = None
+    where: str = ""
+    params: tuple[tuple[str | None, Any], ...] = ()
+    if_moved: bool = True
+
+    @classmethod
+    def insert(cls, objs: list[Model], *, if_moved: bool = True) -> Write:
+        return cls(type(objs[0]), rows=tuple(objs), if_moved=if_moved)
+
+    @classmethod
+    def change(cls, model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]],
+               *, if_moved: bool = True) -> Write:
+        return cls(model, changes=changes, where=where, params=tuple(params), if_moved=if_moved)
+
+    def run(self) -> None:
+        """The write as a statement of its own (SQLite: after the move, in its transaction)."""
+        if self.rows:
+            insert_rows(list(self.rows))
+        else:
+            update(self.model, dict(self.changes or {}), self.where, list(self.params))
+
+    def over_moved(self) -> tuple[str, list[Any]]:
+        """The write as a statement of a data-modifying WITH beside `moved` (PostgreSQL): with
+        `if_moved`, it writes nothing when `moved` has no row."""
+        moved = "EXISTS (SELECT 1 FROM moved)"
+        if not self.rows:
+            where = f"({self.where}) AND {moved}" if self.if_moved else self.where
+            built = update_sql(self.model, dict(self.changes or {}), where, list(self.params))
+            if built is None:
+                raise ValueError(f"a write with a move cannot change {self.model.__name__} ({', '.join(self.changes or {})})")
+            return built
+        alias = router.db_for_write(self.model)
+        connection = connections[alias]
+        fields, columns = _columns(self.model, alias, connection)
+        if fields is None:
+            raise ValueError(f"a write with a move cannot insert {self.model.__name__}")
+        preparers = _preparers(self.model, alias, fields)
+        values: list[Any] = []
+        for obj in self.rows:
+            if obj.pk is None and self.model._meta.pk in fields:
+                obj.pk = self.model._meta.pk.get_pk_value_on_save(obj)
+            obj._prepare_related_fields_for_save(operation_name="Write")
+            prepared = [prepare(obj, connection) for prepare in preparers]
+            if any(hasattr(value, "resolve_expression") for value in prepared):
+                raise ValueError(f"a write with a move cannot insert expressions ({self.model.__name__})")
+            values += prepared
+        names = ", ".join(f"c{n}" for n in range(len(fields)))
+        casts = "(" + ", ".join(f"%s::{field.db_type(connection)}" for field in fields) + ")"
+        condition = f" WHERE {moved}" if self.if_moved else ""
+        return (f"{columns} SELECT {names} FROM (VALUES {', '.join([casts] * len(self.rows))}) AS v ({names})"
+                f"{condition}"), values
+
+
 def matching(model: type[Model], conditions: dict[str, Any]) -> tuple[str, list[tuple[str | None, Any]]] | None:
     """`t.<column> = %s AND …` for field values (`IS NULL` for None), with their parameters;
     None when a condition is a lookup (`name__isnull`) or an expression (left to the ORM)."""

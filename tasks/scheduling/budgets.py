@@ -17,7 +17,7 @@ from django.db import connections, router
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
-from tasks.rows import insert_rows, json_rows, json_rows_sql, new_row, update
+from tasks.rows import Write, json_rows, json_rows_sql, new_row, update
 from tasks.states import State
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
@@ -151,16 +151,30 @@ def slots_reserve(task: Task, channel: VendorChannel) -> None:
     """Called by the dispatcher under its lock, after checking channel_usage(), in the transaction
     that holds the task's row in one of RESERVED_IN (its admission's move or update): whoever
     moves the task from another state knows no slot is being added meanwhile."""
-    insert_rows([new_row(BudgetSlot, channel=channel, kind=JOB, task=task),
-                 new_row(BudgetSlot, channel=channel, kind=UPLOAD, task=task)])
+    slots_reserved(task, channel).run()
+
+
+def slots_reserved(task: Task, channel: VendorChannel) -> Write:
+    """The task's two slots on `channel` (a job's, an upload's), as a write that goes with the move
+    admitting it (`lifecycle.transition(writes=…)`), under the same conditions as slots_reserve."""
+    return Write.insert([new_row(BudgetSlot, channel=channel, kind=JOB, task=task),
+                         new_row(BudgetSlot, channel=channel, kind=UPLOAD, task=task)])
 
 
 def slots_release(task_id, *kinds: str, reason: str, hold_s: float = 0.0) -> int:
     """Release the task's open slots now, or `hold_s` real seconds from now."""
+    released = slots_released(task_id, *kinds, reason=reason, hold_s=hold_s)
+    return update(released.model, dict(released.changes or {}), released.where, list(released.params))
+
+
+def slots_released(task_id, *kinds: str, reason: str, hold_s: float = 0.0, if_moved: bool = True) -> Write:
+    """slots_release as a write that goes with a move of the task (`lifecycle.task_update(writes=…)`):
+    with `if_moved`, only if the task moved; else whatever came of the move."""
     kinds = kinds or (JOB, UPLOAD)
-    return update(BudgetSlot, {"released_at": timezone.now() + timedelta(seconds=hold_s), "release_reason": reason[:100]},
-                  f"t.task_id = %s AND t.kind IN ({', '.join(['%s'] * len(kinds))}) AND t.released_at IS NULL",
-                  [("task", task_id), *(("kind", kind) for kind in kinds)])  # every step's end releases some
+    return Write.change(
+        BudgetSlot, {"released_at": timezone.now() + timedelta(seconds=hold_s), "release_reason": reason[:100]},
+        f"t.task_id = %s AND t.kind IN ({', '.join(['%s'] * len(kinds))}) AND t.released_at IS NULL",
+        [("task", task_id), *(("kind", kind) for kind in kinds)], if_moved=if_moved)  # every step's end releases some
 
 
 def vendor_job_terminal(job: VendorJob, status: str) -> bool:

@@ -26,10 +26,10 @@ from tasks.models import Attempt, ChannelHealth, Lane, Notification, Task, Vendo
 from tasks.observability import log_event
 from tasks.precheck.sandbox import kill_orphans
 from tasks.queueing import lane_read, queue_backlog, send, send_step
-from tasks.rows import insert_rows, select
+from tasks.rows import Write, select
 from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
-from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve
+from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve, slots_reserved
 from tasks.scheduling.channels import ChannelRoom, channel_rooms, channels_down_for, pick_channel
 from tasks.scheduling.lanes import lane_slots_by_tenant, lane_with_slots_by_tenant
 from tasks.services.execution import claim, claim_attempt, new_operation_fields
@@ -463,17 +463,21 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
             lane=lane, queued_at=now, estimated_units=estimated_units, due_at=None, lease_owner="",
             lease_expires_at=None, waiting_reason="", queue_deadline_at=queue_deadline_at,
             dispatch_deadline_at=min(task.deadline_at, queue_deadline_at))
-        claimed, then = {}, []
+        claimed, then, writes = {}, [], ()
         if room is not None:
             fields.update(_dispatch_fields(task, room, now))
             if starting_here:
                 task.channel, task.queued_at = room.channel, now
                 claimed, hop = claim(task, now)
                 then = [hop]
+            # Its slots (and, claimed, its attempt) are written with the move.
+            writes = (slots_reserved(task, room.channel),)
+            if claimed:
+                writes += (Write.insert([claim_attempt(task, task.generation + 2, claimed, now)]),)
         moved = lifecycle.transition(task.pk, source=S.ACCEPTED, target=S.QUEUED, generation=task.generation,
                                      actor=actor, reason=f"pre-check passed; lane {lane.name}", at=now, data=data,
                                      fields={**fields, **claimed, **({"attempts": F("attempts") + 1} if claimed else {})},
-                                     then=then)
+                                     then=then, writes=writes)
         if moved is None:
             return Arrival("stale", lane, standing)
         for name, value in {**fields, **claimed}.items():
@@ -483,10 +487,8 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
         if room is None:
             standing = {**standing, task.tenant_id: (running, queued + 1)}
             return Arrival("queued", lane, standing)
-        slots_reserve(task, room.channel)
         if claimed:
             task.attempts += 1
-            insert_rows([claim_attempt(task, moved.generation, claimed, now)])
         else:
             transaction.on_commit(lambda: send_step("start", task.pk, task.generation, lane=lane.name))
         return Arrival("dispatched", lane, {**standing, task.tenant_id: (running + 1, queued)})

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from tasks import counters, lifecycle
 from tasks.models import Attempt, BudgetSlot, DeadLetter, Notification, Task
-from tasks.rows import select, update
+from tasks.rows import Write, select
 from tasks.scheduling.budgets import RESERVED_IN, slots_release
 from tasks.services.billing import several_jobs_sql, task_billing_check
 from tasks.services.notifications import event_payload
@@ -96,20 +96,48 @@ def task_move(
         fields.setdefault("phase", "")
     # Why a task waits is written with the move into a waiting state and cleared by any other.
     fields.setdefault("waiting_reason", WAITING_DEFAULTS.get(target, ""))
+    # The attempt's end is written with the move (in its statement on PostgreSQL).
+    ended = (Write.change(Attempt, {**(attempt_fields or {}), "ended_at": now, "outcome": attempt_outcome,
+                                    "error_code": (fields.get("error_code") or "")[:64],
+                                    "error_class": (data or {}).get("error_class", "")[:32]},
+                          "t.task_id = %s AND t.generation = %s AND t.ended_at IS NULL",
+                          [("task", task_id), ("generation", generation)]),) if attempt_outcome else ()
+    # A task's last move outside any caller's transaction also writes the vendor calls its step
+    # made so far (in its statement on PostgreSQL; the step's end wrote them one statement later),
+    # whatever came of the move; they are written later if it fails.
+    calls = _calls_so_far() if target in TERMINAL_STATES and not transaction.get_connection().in_atomic_block else []
+    logged = (Write.insert(calls, if_moved=False),) if calls else ()
+    try:
+        moved = _moved(task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
+                       fields=fields, data=data, writes=ended + logged, dead_letter_class=dead_letter_class)
+    except BaseException:
+        _put_back(calls)
+        raise
+    if moved is None:
+        return None
+    moved, left = moved
+    if target in TERMINAL_STATES and (left is None or left.several_jobs):
+        # A task that ends with a second job has its incident name them all and the one it kept,
+        # whatever became of the checks when each job was recorded (a step that died between
+        # recording a job and checking it). A job recorded after the move is checked by whoever
+        # records it.
+        task_billing_check(task_id)
+    return moved
+
+
+def _moved(task_id: Any, *, source: State | str, target: State, generation: int, actor: str, reason: str,
+           fields: dict[str, Any], data: dict[str, Any] | None, writes: tuple[Write, ...],
+           dead_letter_class: str | None) -> tuple[lifecycle.Moved, LeftBehind | None] | None:
+    """task_move's transaction: the move with its writes, a terminal move's slot release and
+    notification, a dead letter; the move and what it said the task leaves behind."""
     with transaction.atomic():
         moved = lifecycle.transition(
             task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
-            fields=fields, data=data, returning=_left_behind() if target in TERMINAL_STATES else (),
+            fields=fields, data=data, returning=_left_behind() if target in TERMINAL_STATES else (), writes=writes,
         )
         if moved is None:
             return None
         left = LeftBehind.of(moved)
-        if attempt_outcome:
-            update(Attempt, {**(attempt_fields or {}), "ended_at": now, "outcome": attempt_outcome,
-                             "error_code": (fields.get("error_code") or "")[:64],
-                             "error_class": (data or {}).get("error_class", "")[:32]},
-                   "t.task_id = %s AND t.generation = %s AND t.ended_at IS NULL",
-                   [("task", task_id), ("generation", generation)])
         if target in TERMINAL_STATES:
             if left is None or left.slots_open or State(source) in RESERVED_IN:
                 # Slots are reserved only for a task in these states, under its row's lock and
@@ -129,13 +157,21 @@ def task_move(
                 task_id=task_id, tenant_id=task.tenant_id, error_class=dead_letter_class,
                 error_code=(fields.get("error_code") or "unknown")[:64], attempts=task.attempts,
             )
-    if target in TERMINAL_STATES and (left is None or left.several_jobs):
-        # A task that ends with a second job has its incident name them all and the one it kept,
-        # whatever became of the checks when each job was recorded (a step that died between
-        # recording a job and checking it). A job recorded after the move is checked by whoever
-        # records it.
-        task_billing_check(task_id)
-    return moved
+    return moved, left
+
+
+def _calls_so_far() -> list:
+    """The vendor calls this process made and has not written yet (tasks.vendors.http)."""
+    from tasks.vendors.http import take_calls
+
+    return take_calls()
+
+
+def _put_back(calls: list) -> None:
+    if calls:
+        from tasks.vendors.http import put_back_calls
+
+        put_back_calls(calls)
 
 
 _LEFT_BEHIND: dict[str, tuple[str, str, str, str]] = {}

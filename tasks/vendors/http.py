@@ -371,6 +371,18 @@ def flush_calls() -> None:
     insert_rows(calls)
 
 
+def take_calls() -> list[VendorCall]:
+    """The calls not written yet, handed to a caller that writes them with its own statement (a
+    task's last move: `outcomes.task_move`); `put_back_calls` if that statement fails."""
+    calls = list(_unwritten)
+    del _unwritten[:]
+    return calls
+
+
+def put_back_calls(calls: list[VendorCall]) -> None:
+    _unwritten[:0] = calls
+
+
 def json_object(response: httpx.Response) -> dict[str, Any]:
     try:
         data = response.json()

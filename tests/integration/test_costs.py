@@ -79,6 +79,14 @@ def test_a_statement_is_counted_by_its_kind_never_by_its_values():
     assert costs.kind('WITH moved AS (UPDATE "tasks_task" SET "generation" = ("tasks_task"."generation" + %s) '
                       'WHERE ("tasks_task"."id" = %s) RETURNING "id") INSERT INTO "tasks_taskevent" ("task_id") '
                       'SELECT moved."id" FROM moved') == "WITH INSERT INTO tasks_taskevent"
+    # Its main part is the first outside the parentheses of its parts, whatever they hold.
+    assert costs.kind('WITH moved AS (UPDATE "tasks_task" AS t SET "x" = %s RETURNING t."id"), '
+                      'w0 AS (INSERT INTO "tasks_budgetslot" ("a") SELECT c0 FROM (VALUES (%s::integer)) AS v (c0)) '
+                      'INSERT INTO "tasks_taskevent" ("task_id") SELECT moved."id" FROM moved') == \
+        "WITH INSERT INTO tasks_taskevent"
+    assert costs.kind('WITH moved AS (UPDATE "tasks_task" AS t SET "x" = %s RETURNING t."id"), '
+                      'w0 AS (UPDATE "tasks_budgetslot" AS t SET "r" = %s WHERE EXISTS (SELECT 1 FROM moved)) '
+                      'SELECT COUNT(*) FROM moved') == "WITH SELECT moved"
     assert costs.kind('(SELECT "c" FROM "tasks_budgetslot") UNION ALL (SELECT "c" FROM "tasks_vendorjob")') == \
         "SELECT tasks_budgetslot"
     # A literal in the text is not a kind of its own.

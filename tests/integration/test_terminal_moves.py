@@ -10,7 +10,8 @@ import threading
 import time
 from datetime import timedelta
 
-from django.db import connection, transaction
+import pytest
+from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -25,6 +26,7 @@ from tasks.models import (
     Notification,
     Task,
     TaskEvent,
+    VendorCall,
     VendorChannel,
     VendorJob,
 )
@@ -204,6 +206,11 @@ def _lanes_read(statements) -> list[str]:
             if q["sql"].lstrip().upper().startswith("SELECT") and counters.LANES_WITH_QUEUED in q["sql"]]
 
 
+def _writing(statements, model) -> list[str]:
+    """The statements that UPDATE `model`'s rows, alone or beside a task's move (a WITH)."""
+    return [q["sql"] for q in statements.captured_queries if f'UPDATE "{model._meta.db_table}"' in q["sql"]]
+
+
 def test_a_task_that_succeeds_with_one_job_while_no_lane_waits_reads_neither_its_jobs_nor_the_lanes(
         vendor, api, monkeypatch):
     _at_once(vendor)
@@ -213,15 +220,28 @@ def test_a_task_that_succeeds_with_one_job_while_no_lane_waits_reads_neither_its
         assert workers.run_step("precheck", str(task.pk), task.generation) == "succeeded"
     assert not _billing_checks(statements), "the task's jobs were read for a billing check though it has one"
     assert not _lanes_read(statements), "the lanes were read though none held a task waiting"
-    # Its two slots were released as its upload ended and its job was bound: nothing is left to release.
-    slot_writes = [q["sql"] for q in statements.captured_queries
-                   if q["sql"].lstrip().startswith(f'UPDATE "{BudgetSlot._meta.db_table}"')]
+    # Its two slots were released as its upload ended and its job was bound: nothing is left to
+    # release. (On PostgreSQL each is written in the statement of the task's update it goes with.)
+    slot_writes = _writing(statements, BudgetSlot)
     assert len(slot_writes) == 2, slot_writes
     assert BudgetSlot.objects.filter(task=task).count() == 2 and _open_slots(task) == 0
     # Its attempt learnt its upload's time and its job, written with its end in one statement.
-    attempt_writes = [q["sql"] for q in statements.captured_queries
-                      if q["sql"].lstrip().startswith(f'UPDATE "{Attempt._meta.db_table}"')]
+    attempt_writes = _writing(statements, Attempt)
     assert len(attempt_writes) == 1, attempt_writes
+    if connection.vendor == "postgresql":
+        # Each of these writes (and the slots and attempt its admission wrote) is part of the
+        # statement of the task's move or update it goes with, not a statement of its own.
+        inserts = [q["sql"] for q in statements.captured_queries
+                   if any(f'INSERT INTO "{model._meta.db_table}"' in q["sql"] for model in (BudgetSlot, Attempt))]
+        assert len(inserts) == 1, inserts
+        for sql in (*slot_writes, *attempt_writes, *inserts):
+            assert sql.lstrip().startswith("WITH moved AS (UPDATE"), sql
+    # Its vendor calls were written with its last move, in one statement.
+    logged = [q["sql"] for q in statements.captured_queries if f'INSERT INTO "{VendorCall._meta.db_table}"' in q["sql"]]
+    assert len(logged) == 1, logged
+    assert VendorCall.objects.filter(task=task).count() >= 3  # upload, create, result at least
+    if connection.vendor == "postgresql":
+        assert logged[0].lstrip().startswith("WITH moved AS (UPDATE"), logged[0]
     attempt = Attempt.objects.get(task=task)
     job = VendorJob.objects.get(task=task)
     assert (attempt.outcome, attempt.vendor_job_id) == (Attempt.Outcome.SUCCEEDED, job.vendor_job_id)
@@ -309,3 +329,26 @@ def test_two_jobs_recorded_at_once_for_a_task_are_always_reported(vendor, tenant
         # Which one it keeps may still be settling (the task's end checks again); both are named.
         assert sorted([incident.kept_job_id, *incident.duplicate_job_ids]) == [f"job-{task.pk}-adopted",
                                                                                f"job-{task.pk}-created"]
+
+
+def test_the_calls_a_last_move_was_to_write_are_written_later_when_it_fails(transactional_db):
+    """The vendor calls not yet written ride on a task's last move; a move whose statement fails
+    leaves them to be written by the step's end, as they were before it."""
+    from tasks.rows import new_row
+    from tasks.services.tenancy import tenant_ensure
+    from tasks.vendors import http
+
+    task = _task(tenant_ensure(name="acme"))
+    channel = VendorChannel.objects.order_by("name").first()
+    http.log_calls([new_row(VendorCall, channel=channel, task=task, generation=0, operation="create", outcome="ok")])
+    failing = dict(error_code=None)  # NOT NULL: the move's statement fails
+    with pytest.raises(IntegrityError):
+        task_move(task.pk, source=State.ACCEPTED, target=State.FAILED, generation=0, actor="test", reason="x",
+                  fields=failing)
+    assert not VendorCall.objects.filter(task=task).exists()
+    http.flush_calls()
+    assert VendorCall.objects.filter(task=task).count() == 1
+    http.log_calls([new_row(VendorCall, channel=channel, task=task, generation=0, operation="result", outcome="ok")])
+    assert _fail(task) is not None
+    assert VendorCall.objects.filter(task=task).count() == 2, "the call rode on the move"
+    assert not http.take_calls()

@@ -23,7 +23,7 @@ from tasks.lifecycle import task_update
 from tasks.models import Attempt, Task, VendorChannel, VendorJob
 from tasks.observability import log_event
 from tasks.rows import insert_rows, new_row, update
-from tasks.scheduling.budgets import JOB, UPLOAD, slots_release
+from tasks.scheduling.budgets import JOB, UPLOAD, slots_release, slots_released
 from tasks.services.billing import several_jobs_sql, task_billing_check
 from tasks.services.execution.guard import step_crashed, step_interrupted
 from tasks.services.execution.jobs import (
@@ -134,12 +134,16 @@ def submit(task: Task, lease: Lease) -> str | None:
                     receipt = vendor.upload(source, size=file.size, sha256=file.sha256, operation=operation_of(task),
                                             on_chunk=lease.heartbeat)
                 expires = parse_datetime(receipt.expires_at) if receipt.expires_at else None
+                # Its upload slot is given back with the upload's record (in one statement on
+                # PostgreSQL); a task fenced meanwhile gives it back below (StopUpload).
                 if not task_update(task.pk, state=S.RUNNING, generation=g, upload_id=receipt.upload_id,
-                                   upload_expires_at=expires, phase=P.CREATE):
+                                   upload_expires_at=expires, phase=P.CREATE,
+                                   writes=(slots_released(task.pk, UPLOAD, reason="upload done"),)):
                     raise StopUpload()
                 task.upload_id = receipt.upload_id
                 stage = "create"
-            slots_release(task.pk, UPLOAD, reason="upload done")
+            else:
+                slots_release(task.pk, UPLOAD, reason="upload done")
             uploaded = True
             request = JobRequest(kind=task.kind, target_format=task.target_format, operation=operation_of(task),
                                  options=task.params, upload_ref=task.upload_id, callback_url=vendor_callback_url(channel))
@@ -245,7 +249,6 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
     g = task.generation
     channel = task.channel
     job = record_job(task, channel, created.job, adopted=False, billing_check=False)
-    slots_release(task.pk, JOB, reason="bound to vendor job")
     breaker.refund_retry_token(channel)
     poll = PollPolicy.for_channel(channel)
     first = poll.next_interval_s(0)
@@ -257,8 +260,12 @@ def _job_created(task: Task, created: Created, *, keep_lease: bool = False, comp
     if said:  # the create's answer says it finished: one entry for both (the task's stages read it)
         entry["reason"] += "; the vendor completed the job"
         entry["data"]["vendor_status"] = "completed"
+    # The job holds the task's job slot from now on: the slot is given back with the job's binding
+    # (in its statement on PostgreSQL), whether or not the task was fenced meanwhile.
+    released = slots_released(task.pk, JOB, reason="bound to vendor job", if_moved=False)
     updated = lifecycle.task_update_recorded(
         task.pk, state=S.RUNNING, generation=g, actor=actor(), **entry, returning=(several_jobs_sql(),),
+        writes=(released,),
         vendor_job=job, phase=phase, poll_interval_s=first, outage_since=None,
         due_at=now + timescale.delta(poll.jittered(first)), poll_deadline_at=now + timescale.delta(poll.budget_s),
         error_code="", error_message="", fetch_attempts=0, **lease_fields,
