@@ -99,6 +99,27 @@ def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None
     if len(objs) > size and not connection.in_atomic_block:
         with transaction.atomic(using=alias):
             return insert_rows(objs, return_pk=return_pk, using=alias)
+    rows = _values(objs, alias, connection, fields)
+    if rows is None:
+        return _orm_insert(model, objs, alias, return_pk)
+    suffix = f" RETURNING {connection.ops.quote_name(pk_field.column)}" if returning else ""
+    with transaction.mark_for_rollback_on_error(using=alias), connection.cursor() as cursor:
+        for start in range(0, len(objs), size):
+            cursor.execute(*_insert_sql(model, alias, connection, rows[start:start + size], suffix))
+            if returning:
+                for obj, (pk,) in zip(objs[start:start + size], cursor.fetchall(), strict=True):
+                    obj.pk = pk
+    for obj in objs:
+        obj._state.adding, obj._state.db = False, alias
+    return objs[0].pk if return_pk else None
+
+
+def _values(objs: list[Model], alias: str, connection: Any, fields: list) -> list[list[Any]] | None:
+    """Each row's values as its INSERT writes them (a key the database does not assign given to a
+    row without one); None when one is an expression (left to the ORM)."""
+    model = type(objs[0])
+    pk_field = model._meta.pk
+    assigned = pk_field not in fields
     rows: list[list[Any]] = []
     preparers = _preparers(model, alias, fields)
     for obj in objs:
@@ -107,27 +128,65 @@ def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None
         obj._prepare_related_fields_for_save(operation_name="insert_rows")
         values = [prepare(obj, connection) for prepare in preparers]
         if any(hasattr(value, "resolve_expression") for value in values):
-            return _orm_insert(model, objs, alias, return_pk)
+            return None
         rows.append(values)
+    return rows
+
+
+def _insert_sql(model: type[Model], alias: str, connection: Any, batch: list[list[Any]], suffix: str) -> tuple[str, list[Any]]:
+    """The INSERT of `batch`'s rows of `model` (as `_values` prepared them) and its parameters."""
+    fields, columns = _columns(model, alias, connection)
+    unnest = _unnest(model, alias, fields, connection) if len(batch) > 1 else None
+    if unnest is not None:
+        # One array a column: a statement of the same text and as many parameters as columns
+        # whatever the rows (see _unnest).
+        return f"{columns} {unnest}{suffix}", [list(column) for column in zip(*batch, strict=True)]
     placeholders = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    suffix = f" RETURNING {connection.ops.quote_name(pk_field.column)}" if returning else ""
-    unnest = _unnest(model, alias, fields, connection) if len(objs) > 1 else None
+    return f"{columns} VALUES {', '.join([placeholders] * len(batch))}{suffix}", [value for values in batch for value in values]
+
+
+def insert_together(first: list[Model], then: list[Model]) -> None:
+    """`first`'s rows and `then`'s (of two models, each as insert_rows writes them), in one
+    statement on PostgreSQL (a WITH: both or neither); elsewhere two, `first`'s first. One
+    statement only when `first`'s keys are not the database's to assign and each fits in one."""
+    if not first or not then:
+        insert_rows(first or then)
+        return
+    alias = router.db_for_write(type(first[0]))
+    connection = connections[alias]
+    built = _together(first, then, alias, connection) if connection.vendor == "postgresql" else None
+    if built is None:
+        insert_rows(first, using=alias)
+        insert_rows(then, using=alias)
+        return
+    (sql, params), read_keys = built
     with transaction.mark_for_rollback_on_error(using=alias), connection.cursor() as cursor:
-        for start in range(0, len(objs), size):
-            batch = rows[start:start + size]
-            if unnest is not None and len(batch) > 1:
-                # One array a column: a statement of the same text and as many parameters as
-                # columns whatever the rows (see _unnest).
-                cursor.execute(f"{columns} {unnest}{suffix}", [list(column) for column in zip(*batch, strict=True)])
-            else:
-                cursor.execute(f"{columns} VALUES {', '.join([placeholders] * len(batch))}{suffix}",
-                               [value for values in batch for value in values])
-            if returning:
-                for obj, (pk,) in zip(objs[start:start + size], cursor.fetchall(), strict=True):
-                    obj.pk = pk
-    for obj in objs:
+        cursor.execute(sql, params)
+        if read_keys:
+            for obj, (pk,) in zip(then, cursor.fetchall(), strict=True):
+                obj.pk = pk
+    for obj in (*first, *then):
         obj._state.adding, obj._state.db = False, alias
-    return objs[0].pk if return_pk else None
+
+
+def _together(first: list[Model], then: list[Model], alias: str, connection: Any) -> tuple[tuple[str, list[Any]], bool] | None:
+    parts = []
+    for objs in (first, then):
+        model = type(objs[0])
+        fields, _ = _columns(model, alias, connection)
+        if fields is None or len(objs) > max(1, connection.ops.bulk_batch_size(fields, objs)):
+            return None
+        assigned = model._meta.pk not in fields
+        if assigned and (objs is first or any(obj.pk is not None for obj in objs)):
+            return None
+        rows = _values(objs, alias, connection, fields)
+        if rows is None:
+            return None
+        read_keys = assigned and connection.features.can_return_rows_from_bulk_insert
+        suffix = f" RETURNING {connection.ops.quote_name(model._meta.pk.column)}" if read_keys else ""
+        parts.append(_insert_sql(model, alias, connection, rows, suffix))
+    (head, head_params), (main, main_params) = parts
+    return (f"WITH written AS ({head}) {main}", [*head_params, *main_params]), read_keys
 
 
 def _orm_insert(model: type[Model], objs: list[Model], alias: str, return_pk: bool) -> Any:
@@ -226,7 +285,8 @@ def _columns(model: type[Model], alias: str, connection: Any) -> tuple[list | No
 
 def select(model: type[Model], where: str, params: list[tuple[str | None, Any]], *,
            only: tuple[str, ...] | None = None, related: tuple[str, ...] = (),
-           extra: dict[str, str] | None = None, join: str = "") -> list[Model]:
+           extra: dict[str, str] | None = None, join: str = "",
+           over: tuple[str, tuple[str, list[Any]]] | None = None) -> list[Model]:
     """The rows of `model` matching `where`, as model instances read as the ORM reads them (its
     converters: UUIDs, dates, JSON), with the statement's columns and joins built once per shape
     instead of compiling a queryset per call.
@@ -240,7 +300,10 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
     is None). `extra`: more columns, SQL expressions
     (over `t` and the joined aliases), each set on the instances under its name, as read.
     `join`: more tables (SQL after the statement's own, such as a LEFT JOIN of a table that is
-    not a relation, without placeholders), read through `extra`."""
+    not a relation, without placeholders), read through `extra`. `over`: (a name, a built
+    statement that returns the model's rows, such as an UPDATE … RETURNING t.*): the rows are
+    read from what that statement returns, in the same statement (a WITH; PostgreSQL), instead
+    of from the model's table."""
     alias = router.db_for_read(model)
     connection = connections[alias]
     shape = _select(model, alias, only, related, connection)
@@ -250,8 +313,13 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
     extra = extra or {}
     if extra:
         columns += ", " + ", ".join(f"({sql}) AS {connection.ops.quote_name(name)}" for name, sql in extra.items())
+    tables, head = shape.tables, ""
+    if over is not None:
+        name, (sql, values) = over
+        tables = f"{name} t{tables[len(connection.ops.quote_name(model._meta.db_table)) + 2:]}"
+        head, prepared = f"WITH {name} AS ({sql}) ", [*values, *prepared]
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {columns} FROM {shape.tables} {join} WHERE {where}", prepared)
+        cursor.execute(f"{head}SELECT {columns} FROM {tables} {join} WHERE {where}", prepared)
         found = cursor.fetchall()
     rows = []
     for values in found:

@@ -37,7 +37,7 @@ from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.queueing import send_steps_on_commit
-from tasks.rows import insert_rows, json_rows, json_rows_sql, moment, new_row, select
+from tasks.rows import insert_together, json_rows, json_rows_sql, moment, new_row, select
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
@@ -424,8 +424,9 @@ def _write(decided: _Decided) -> None:
         forget_keys(decided.expired)
     # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
     # the order every other writer uses (tasks/counters.py).
-    insert_rows(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""))
-    insert_rows([event for _, _, event in accepted])
+    # (In one statement on PostgreSQL.)
+    insert_together(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""),
+                    [event for _, _, event in accepted])
 
 
 # An Idempotency-Key is kept this long (nominal seconds) from its task's acceptance, and never
@@ -624,11 +625,10 @@ def task_precheck_and_route_here(task_id: Any, generation: int, *, worker_lane: 
     itself if it is admitted into that lane at once ("queued_here": no start message was sent),
     with the task as the move wrote it when it was admitted and claimed for it as it arrived
     (the worker starts it without reading it again)."""
-    task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=("file", "lane", "tenant"),
-                            extra={"has_entries": content_has_entries()})), None)
-    if task is None or task.state != State.ACCEPTED or task.generation != generation:
+    task, lease = Lease.claim_read(task_id, State.ACCEPTED, generation, related=("file", "lane", "tenant"),
+                                   extra={"has_entries": content_has_entries()})
+    if task is None:
         return Routed("stale")
-    lease = Lease.claim(task)
     if lease is None:
         return Routed("busy")
     file = task.file

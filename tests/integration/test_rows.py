@@ -7,13 +7,13 @@ import json
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Value
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from tasks.models import FileVersion, Lane, Task, TaskEvent, VendorCall, VendorChannel
-from tasks.rows import insert_rows, select
+from tasks.rows import insert_rows, insert_together, select
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -63,6 +63,31 @@ def test_rows_inserted_read_back_through_the_orm_as_bulk_create_writes_them(tena
     assert (stored.params, stored.lane_id, stored.file_id, stored.state, stored.generation) == \
         ({"language": "de"}, "batch", ours.pk, "ACCEPTED", 0)
     assert TaskEvent.objects.get(task=task).data == {"a": 1}
+
+
+def test_tasks_and_their_entries_are_written_together_in_one_statement_on_postgresql(tenant):
+    """insert_together: two models' rows as insert_rows writes each (one row or several), in one
+    statement on PostgreSQL, two elsewhere; the entries' database-assigned keys read back; a
+    failing second part leaves neither."""
+    files = [_file(tenant) for _ in range(2)]
+    insert_rows(files)
+    for count in (1, 2):
+        tasks = [Task(tenant=tenant, file=files[n], kind="transcription", target_format="txt", params={"n": n},
+                      lane_id="batch", deadline_at=timezone.now() + timedelta(hours=1)) for n in range(count)]
+        events = [TaskEvent(task=task, from_state="", to_state="ACCEPTED", generation=0, actor="t", reason=f"r{n}",
+                            data={"n": n}) for n, task in enumerate(tasks)]
+        with CaptureQueriesContext(connection) as statements:
+            insert_together(tasks, events)
+        assert len(statements.captured_queries) == (1 if connection.vendor == "postgresql" else 2)
+        for n, (task, event) in enumerate(zip(tasks, events, strict=True)):
+            stored = TaskEvent.objects.select_related("task").get(pk=event.pk)
+            assert (stored.task_id, stored.reason, stored.data, stored.task.params) == (task.pk, f"r{n}", {"n": n}, {"n": n})
+    task = Task(tenant=tenant, file=files[0], kind="transcription", target_format="txt",
+                deadline_at=timezone.now() + timedelta(hours=1))
+    broken = TaskEvent(task=task, from_state="", to_state="ACCEPTED", generation=None, actor="t", reason="r")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        insert_together([task], [broken])
+    assert not Task.objects.filter(pk=task.pk).exists()
 
 
 def test_a_returned_primary_key_rows_beyond_one_statement_and_expressions_left_to_the_orm():

@@ -9,11 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import connections, router
 from django.utils import timezone
 
 from tasks import timescale
 from tasks.models import Attempt, Task
-from tasks.rows import select, update
+from tasks.rows import select, update, update_sql
 from tasks.states import State
 from tasks.vendors.errors import StopUpload
 
@@ -33,6 +34,12 @@ def lease_seconds() -> float:
     return max(timescale.seconds(settings.LEASE_S), settings.LEASE_FLOOR_S)
 
 
+# A task whose step may be claimed (parameters: its id, state and generation, now): there, and
+# no lease held.
+CLAIMABLE = ("t.id = %s AND t.state = %s AND t.generation = %s "
+             "AND (t.lease_expires_at IS NULL OR t.lease_expires_at < %s)")
+
+
 class Lease:
     """The right to run one step of a task at (state, generation), renewed by heartbeats."""
 
@@ -41,20 +48,52 @@ class Lease:
         self.state = task.state
         self.generation = task.generation
         self.owner = worker_id()
+        self.expires_at = task.lease_expires_at
         self._next_renewal = 0.0
 
     @classmethod
     def claim(cls, task: Task) -> Lease | None:
         lease = cls(task)
         now = timezone.now()
-        taken = update(Task, {"lease_owner": lease.owner, "lease_expires_at": now + timedelta(seconds=lease_seconds())},
-                       "t.id = %s AND t.state = %s AND t.generation = %s "
-                       "AND (t.lease_expires_at IS NULL OR t.lease_expires_at < %s)",
-                       [("id", task.pk), ("state", task.state), ("generation", task.generation), ("lease_expires_at", now)])
+        lease.expires_at = now + timedelta(seconds=lease_seconds())
+        taken = update(Task, {"lease_owner": lease.owner, "lease_expires_at": lease.expires_at},
+                       CLAIMABLE, [("id", task.pk), ("state", task.state), ("generation", task.generation),
+                                   ("lease_expires_at", now)])
         if not taken:
             return None
         lease._next_renewal = time.monotonic() + lease_seconds() / 3
         return lease
+
+    @classmethod
+    def claim_read(cls, task_id: Any, state: State | str, generation: int, *, related: tuple[str, ...] = (),
+                   extra: dict[str, str] | None = None) -> tuple[Task | None, Lease | None]:
+        """Claim the step of the task at (state, generation) and read the task (with `related`
+        and `extra` as `rows.select` reads them): (None, None) when it is not there any more,
+        (the task, None) when another step holds its lease. On PostgreSQL one statement, the
+        claim's UPDATE read back as the task (a read of its own only when nothing was claimed);
+        elsewhere the read, then the claim."""
+        if connections[router.db_for_write(Task)].vendor != "postgresql":
+            task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=related, extra=extra)), None)
+            if task is None or task.state != state or task.generation != generation:
+                return None, None
+            lease = cls.claim(task)
+            if lease is not None:  # the task as the claim left it, as PostgreSQL's statement reads it
+                task.lease_owner, task.lease_expires_at = lease.owner, lease.expires_at
+            return task, lease
+        now = timezone.now()
+        owner = worker_id()
+        built = update_sql(Task, {"lease_owner": owner, "lease_expires_at": now + timedelta(seconds=lease_seconds())},
+                           CLAIMABLE, [("id", task_id), ("state", state), ("generation", generation),
+                                       ("lease_expires_at", now)], returning="t.*")
+        claimed = select(Task, "TRUE", [], related=related, extra=extra, over=("claimed", built))
+        if not claimed:
+            task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=related, extra=extra)), None)
+            if task is None or task.state != state or task.generation != generation:
+                return None, None
+            return task, None
+        lease = cls(claimed[0])
+        lease._next_renewal = time.monotonic() + lease_seconds() / 3
+        return claimed[0], lease
 
     @classmethod
     def adopt(cls, task: Task) -> Lease:
