@@ -28,16 +28,17 @@ what they accept themselves.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from typing import Any
 
-from django.db import connection
-from django.db.models import Sum
+from django.db import connection, connections
+from django.db.models import DateTimeField, Sum
 
 from tasks.models import Lane, LaneTenantLoad
 from tasks.observability import log_event
-from tasks.rows import moment, select
+from tasks.rows import json_rows, json_rows_sql, moment, select
 from tasks.states import IN_FLIGHT_STATES, State
 
 STAGES = ("accepted", "queued", "dispatched", "in_flight", "retry_wait")
@@ -219,6 +220,47 @@ def lane_with_counts_by_tenant(lane_name: str) -> tuple[Lane | None, dict[Any, d
         if row.load_tenant is not None and any(stages.values()):
             counts[_uuid(row.load_tenant)] = stages
     return lane, counts
+
+
+def lane_json_sql(alias: str) -> tuple[str, str]:
+    """A lane's row (a JSON array of its fields, in the model's order) and its counter rows (as
+    `json_rows_sql` aggregates them), as two columns a statement about something else can carry
+    (the dispatcher's read of its channels: `channels.rooms_with_lane`); each one placeholder,
+    the lane's name. Read back by `lane_from_json`."""
+    connection_ = connections[alias]
+    quote = connection_.ops.quote_name
+    array = "json_build_array" if connection_.vendor == "postgresql" else "json_array"
+    columns = ", ".join(f"l.{quote(f.column)}" for f in Lane._meta.concrete_fields)
+    row = (f"SELECT {array}({columns}) FROM {quote(Lane._meta.db_table)} l "
+           f"WHERE l.{quote(Lane._meta.pk.column)} = %s")
+    loads = (f"SELECT {json_rows_sql(connection_.vendor, ', '.join(['c.tenant', *(f'c.{n}' for n in STAGES)]))} "
+             f"FROM {TABLE} c WHERE c.lane = %s")
+    return row, loads
+
+
+def lane_from_json(alias: str, row: Any, loads: Any) -> tuple[Lane | None, dict[Any, dict[str, int]]]:
+    """The lane and its counts by tenant (as `lane_with_counts_by_tenant` gives them) from the two
+    columns of `lane_json_sql` as read; (None, {}) for a lane that does not exist."""
+    values = json.loads(row) if isinstance(row, str) else row
+    if values is None:
+        return None, {}
+    fields = Lane._meta.concrete_fields
+    lane = Lane.from_db(alias, [f.attname for f in fields], [_from_json(f, v) for f, v in zip(fields, values, strict=True)])
+    counts = {}
+    for tenant, *stages in json_rows(loads):
+        found = {name: int(n or 0) for name, n in zip(STAGES, stages, strict=True)}
+        if any(found.values()):
+            counts[_uuid(tenant)] = found
+    return lane, counts
+
+
+def _from_json(field: Any, value: Any) -> Any:
+    """A field's value as a JSON array carries it (SQLite: timestamps as text, booleans 0 or 1)."""
+    if value is None:
+        return None
+    if isinstance(field, DateTimeField):
+        return moment(value)
+    return field.to_python(value)
 
 
 def _uuid(value: Any) -> uuid.UUID:

@@ -7,10 +7,12 @@ dispatcher's job (tasks/services/dispatch.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import connections, router
 
-from tasks.models import ChannelHealth, Task, VendorChannel
+from tasks import counters
+from tasks.models import ChannelHealth, Lane, Task, VendorChannel
 from tasks.rows import select
 from tasks.scheduling.budgets import lane_rows, released_after, usage_of, usage_sql
 from tasks.vendors import breaker
@@ -69,11 +71,36 @@ class ChannelRoom:
 def channel_rooms() -> dict[str, ChannelRoom]:
     """Every enabled channel's room, read fresh in one statement whatever the number of channels:
     the channels with their health and their usage."""
-    rooms: dict[str, ChannelRoom] = {}
+    return _rooms(_enabled_channels())
+
+
+def rooms_with_lane(lane_name: str) -> tuple[dict[str, ChannelRoom], Lane | None, dict[Any, dict[str, int]]]:
+    """channel_rooms, and the lane read fresh with its counts by tenant (as
+    counters.lane_with_counts_by_tenant gives them), in one statement: each channel's row
+    carries the lane's (read alone when no channel is enabled). Admission reads both under its
+    lock."""
     alias = router.db_for_read(VendorChannel)
-    channels = select(VendorChannel, "t.enabled = %s ORDER BY t.preference, t.name",
-                      [(None, released_after(connections[alias])), ("enabled", True)],
-                      related=("health",), extra={"usage": usage_sql(alias, f"t.{connections[alias].ops.quote_name(_NAME)}")})
+    row, loads = counters.lane_json_sql(alias)
+    channels = _enabled_channels({"lane_row": row, "lane_loads": loads}, [(None, lane_name), (None, lane_name)])
+    if not channels:
+        lane, counts = counters.lane_with_counts_by_tenant(lane_name)
+        return {}, lane, counts
+    lane, counts = counters.lane_from_json(alias, channels[0].lane_row, channels[0].lane_loads)
+    return _rooms(channels), lane, counts
+
+
+def _enabled_channels(extra: dict[str, str] | None = None, params: list | None = None) -> list[VendorChannel]:
+    """The enabled channels in order, each with its health and its usage (and `extra` columns,
+    `params` theirs)."""
+    alias = router.db_for_read(VendorChannel)
+    return select(VendorChannel, "t.enabled = %s ORDER BY t.preference, t.name",
+                  [(None, released_after(connections[alias])), *(params or []), ("enabled", True)],
+                  related=("health",), extra={"usage": usage_sql(alias, f"t.{connections[alias].ops.quote_name(_NAME)}"),
+                                              **(extra or {})})
+
+
+def _rooms(channels: list[VendorChannel]) -> dict[str, ChannelRoom]:
+    rooms: dict[str, ChannelRoom] = {}
     for channel in channels:
         health = getattr(channel, "health", None) or breaker.health_for(channel)
         usage = usage_of(channel.usage)

@@ -10,6 +10,7 @@ from django.db.models import Q, QuerySet
 
 from tasks import counters
 from tasks.models import Lane, Task
+from tasks.scheduling.channels import rooms_with_lane
 from tasks.states import IN_FLIGHT_STATES, State
 
 INTERACTIVE, BATCH, HEAVY, UNKNOWN_RISK = "interactive", "batch", "heavy", "unknown-risk"
@@ -96,10 +97,11 @@ def lane_slots_by_tenant(lane: Lane) -> dict:
     return _slots(counters.lane_counts_by_tenant(lane.pk))
 
 
-def lane_with_slots_by_tenant(name: str) -> tuple[Lane | None, dict]:
-    """The lane read fresh, with its `lane_slots_by_tenant`, in one statement."""
-    lane, counts = counters.lane_with_counts_by_tenant(name)
-    return lane, _slots(counts)
+def lane_with_slots_and_rooms(name: str) -> tuple[Lane | None, dict, dict]:
+    """The lane read fresh with its `lane_slots_by_tenant`, and every channel's room
+    (channels.channel_rooms), in one statement."""
+    rooms, lane, counts = rooms_with_lane(name)
+    return lane, _slots(counts), rooms
 
 
 def _slots(counts: dict) -> dict:

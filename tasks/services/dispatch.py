@@ -31,7 +31,7 @@ from tasks.scheduling import quotas
 from tasks.scheduling.admission import AdmissionPolicy, Head, Share
 from tasks.scheduling.budgets import UPLOAD, slots_release, slots_reserve, slots_reserved
 from tasks.scheduling.channels import ChannelRoom, channel_rooms, channels_down_for, pick_channel
-from tasks.scheduling.lanes import lane_slots_by_tenant, lane_with_slots_by_tenant
+from tasks.scheduling.lanes import lane_slots_by_tenant, lane_with_slots_and_rooms
 from tasks.services.execution import claim, claim_attempt, new_operation_fields
 from tasks.services.history import history_rollup_due
 from tasks.services.outcomes import task_move
@@ -358,7 +358,7 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
         # lock while another admitted. Stamped with the earlier time, its tasks would read as
         # started before the other pass's, and their queue waits as shorter than they were.
         now = max(now, timezone.now())
-        lane, standing = lane_with_slots_by_tenant(lane.pk)
+        lane, standing, rooms = lane_with_slots_and_rooms(lane.pk)
         if lane is None or lane.paused:
             return []
         lane_read(lane.name, lane.execution_timeout_s)
@@ -371,7 +371,6 @@ def admit_lane(lane: Lane, now: datetime, *, starting_here: Any = None,
         # A tenant's running quota counts its tasks in every lane (asked only of tenants that have one).
         running_all = {t: quotas.tenant_running(t) for t in tenants if limits[t].max_running is not None}
         heads = _waiting_heads(lane, tenants, free)
-        rooms = channel_rooms()
         policy = AdmissionPolicy(aging_s=lane.aging_s, urgency_s=lane.urgency_s)
         while free > 0:
             firsts = {t: admission_head(heads[t][0], now) for t in tenants if heads[t]}
@@ -443,7 +442,7 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
     that the worker need not read it again."""
     with dispatch_lock():
         now = timezone.now()
-        lane, standing = lane_with_slots_by_tenant(lane_name)
+        lane, standing, rooms = lane_with_slots_and_rooms(lane_name)
         lane_read(lane.name, lane.execution_timeout_s)
         waiting = sum(queued for _, queued in standing.values())
         if task.deferred or waiting >= lane.max_queued:
@@ -457,7 +456,7 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
             limit = quotas.quotas_effective([task.tenant_id], now=now)[task.tenant_id]
             at_quota = limit.max_running is not None and quotas.tenant_running(task.tenant_id) >= limit.max_running
             if AdmissionPolicy.admits_on_arrival(waiting=waiting, free=free, at_quota=at_quota):
-                room = pick_channel(task, channel_rooms())
+                room = pick_channel(task, rooms)
         queue_deadline_at = task.created_at + timescale.delta(lane.queue_deadline_s)
         fields: dict[str, Any] = dict(
             lane=lane, queued_at=now, estimated_units=estimated_units, due_at=None, lease_owner="",

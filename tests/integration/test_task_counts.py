@@ -45,6 +45,39 @@ def test_admission_reads_the_lane_with_its_counts_in_one_statement():
     assert counters.lane_with_counts_by_tenant("no-such-lane") == (None, {})
 
 
+def test_admission_reads_the_lane_its_counts_and_every_channels_room_in_one_statement():
+    """channels.rooms_with_lane: what lane_with_counts_by_tenant and channel_rooms read apart,
+    field for field, in one statement; the lane alone when no channel is enabled."""
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks.models import Lane, VendorChannel
+    from tasks.scheduling.channels import channel_rooms, rooms_with_lane
+
+    acme, globex = tenant_ensure(name="acme"), tenant_ensure(name="globex")
+    for index in range(2):
+        new_task(acme, index=index)
+    new_task(globex, index=5)
+    Lane.objects.filter(pk="batch").update(paused=True, aging_s=12.5, queue_deadline_s=600)
+    assert VendorChannel.objects.filter(enabled=True).exists()
+    with CaptureQueriesContext(connection) as statements:
+        rooms, lane, counts = rooms_with_lane("batch")
+    assert len(statements.captured_queries) == 1
+    orm = Lane.objects.get(pk="batch")
+    fields = [f.attname for f in Lane._meta.concrete_fields]
+    assert [getattr(lane, name) for name in fields] == [getattr(orm, name) for name in fields]
+    assert lane.paused is True and isinstance(lane.queue_deadline_s, float) and lane.updated_at.tzinfo is not None
+    assert counts == counters.lane_with_counts_by_tenant("batch")[1] and counts[acme.pk]["accepted"] == 2
+
+    def described(found):
+        return {name: (r.available, r.free_jobs, r.free_uploads, r.trials_left, r.free_by_row) for name, r in found.items()}
+
+    assert described(rooms) == described(channel_rooms()) and rooms
+    assert rooms_with_lane("no-such-lane")[1:] == (None, {})
+    VendorChannel.objects.update(enabled=False)
+    rooms, lane, counts = rooms_with_lane("batch")
+    assert rooms == {} and lane.name == "batch" and counts[globex.pk]["accepted"] == 1
+
+
 def test_every_kind_of_write_moves_the_counts():
     acme, globex = tenant_ensure(name="acme"), tenant_ensure(name="globex")
     tasks = [new_task(acme, index=i) for i in range(3)] + [new_task(globex, lane="interactive", index=9)]
