@@ -11,6 +11,7 @@ the model's own fields, as the ORM prepares and converts them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Callable
@@ -318,7 +319,9 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
         name, (sql, values) = over
         tables = f"{name} t{tables[len(connection.ops.quote_name(model._meta.db_table)) + 2:]}"
         head, prepared = f"WITH {name} AS ({sql}) ", [*values, *prepared]
-    with connection.cursor() as cursor:
+    # (A read that writes through `over` marks a caller's transaction for rollback when it fails.)
+    guard = transaction.mark_for_rollback_on_error(using=alias) if over is not None else contextlib.nullcontext()
+    with guard, connection.cursor() as cursor:
         cursor.execute(f"{head}SELECT {columns} FROM {tables} {join} WHERE {where}", prepared)
         found = cursor.fetchall()
     rows = []
@@ -550,7 +553,9 @@ class Write:
                 raise ValueError(f"a write with a move cannot insert expressions ({self.model.__name__})")
             values += prepared
         names = ", ".join(f"c{n}" for n in range(len(fields)))
-        casts = "(" + ", ".join(f"%s::{field.db_type(connection)}" for field in fields) + ")"
+        # Without the types' parameters: a cast to varchar(64) would cut a longer value short
+        # where the INSERT itself refuses it (as _unnest's arrays).
+        casts = "(" + ", ".join(f"%s::{field.db_type(connection).split('(')[0]}" for field in fields) + ")"
         condition = f" WHERE {moved}" if self.if_moved else ""
         return (f"{columns} SELECT {names} FROM (VALUES {', '.join([casts] * len(self.rows))}) AS v ({names})"
                 f"{condition}"), values

@@ -13,6 +13,7 @@ import hashlib
 import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
@@ -356,31 +357,41 @@ _unwritten: list[VendorCall] = []
 UNWRITTEN_MAX = 50
 
 
+_unwritten_lock = threading.Lock()
+
+
 def log_calls(calls: list[VendorCall], *, now: bool = False) -> None:
-    _unwritten.extend(calls)
-    if now or len(_unwritten) >= UNWRITTEN_MAX:
+    with _unwritten_lock:
+        _unwritten.extend(calls)
+        full = len(_unwritten) >= UNWRITTEN_MAX
+    if now or full:
         flush_calls()
 
 
 def flush_calls() -> None:
     """Write the calls this process made and has not written yet (the step's end calls it)."""
-    if not _unwritten:
-        return
-    calls = list(_unwritten)
-    del _unwritten[:]
-    insert_rows(calls)
+    calls = take_calls()
+    if calls:
+        insert_rows(calls)
 
 
 def take_calls() -> list[VendorCall]:
-    """The calls not written yet, handed to a caller that writes them with its own statement (a
-    task's last move: `outcomes.task_move`); `put_back_calls` if that statement fails."""
-    calls = list(_unwritten)
-    del _unwritten[:]
+    """The calls not written yet, handed to a caller that writes them (flush_calls, or a task's
+    last move with its own statement: `outcomes.task_move`, which `put_back_calls` if that fails)."""
+    with _unwritten_lock:
+        calls = list(_unwritten)
+        del _unwritten[:]
     return calls
 
 
 def put_back_calls(calls: list[VendorCall]) -> None:
-    _unwritten[:0] = calls
+    """Calls whose write was rolled back, to be written again: as new rows (a key an INSERT gave
+    them went back with the rollback, and may be another row's by now)."""
+    for call in calls:
+        call.pk = None
+        call._state.adding, call._state.db = True, None
+    with _unwritten_lock:
+        _unwritten[:0] = calls
 
 
 def json_object(response: httpx.Response) -> dict[str, Any]:

@@ -352,3 +352,18 @@ def test_the_calls_a_last_move_was_to_write_are_written_later_when_it_fails(tran
     assert _fail(task) is not None
     assert VendorCall.objects.filter(task=task).count() == 2, "the call rode on the move"
     assert not http.take_calls()
+    # Calls whose INSERT was rolled back are written again as new rows (the key they were given
+    # went back with the rollback, and SQLite gives it to the next row).
+    call = new_row(VendorCall, channel=channel, task=task, generation=0, operation="poll", outcome="ok")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        http.log_calls([call])
+        taken = http.take_calls()
+        from tasks.rows import insert_rows
+
+        insert_rows(taken)
+        assert call.pk is not None
+        raise RuntimeError("the move's transaction fails after the calls were written")
+    http.put_back_calls(taken)
+    VendorCall.objects.create(channel=channel, task=task, generation=0, operation="poll", outcome="ok")
+    http.flush_calls()
+    assert VendorCall.objects.filter(task=task).count() == 4

@@ -84,3 +84,9 @@ def test_on_postgresql_a_moves_writes_are_in_its_statement_and_fail_with_it(tena
         _queue(other, 0, (broken,))
     assert Task.objects.get(pk=other.pk).state == State.ACCEPTED
     assert "no generation" not in _reasons(task)
+    if connection.vendor == "postgresql":  # (SQLite keeps no lengths)
+        # A value too long for its column is refused, as an INSERT of its own refuses it, not cut short.
+        long = Write.insert([new_row(TaskEvent, task_id=task.pk, generation=0, actor="x" * 101, reason="long")])
+        with pytest.raises(DatabaseError), transaction.atomic():
+            _queue(other, 0, (long,))
+        assert not TaskEvent.objects.filter(actor__startswith="xxx").exists()
