@@ -542,16 +542,10 @@ class Write:
         fields, columns = _columns(self.model, alias, connection)
         if fields is None:
             raise ValueError(f"a write with a move cannot insert {self.model.__name__}")
-        preparers = _preparers(self.model, alias, fields)
-        values: list[Any] = []
-        for obj in self.rows:
-            if obj.pk is None and self.model._meta.pk in fields:
-                obj.pk = self.model._meta.pk.get_pk_value_on_save(obj)
-            obj._prepare_related_fields_for_save(operation_name="Write")
-            prepared = [prepare(obj, connection) for prepare in preparers]
-            if any(hasattr(value, "resolve_expression") for value in prepared):
-                raise ValueError(f"a write with a move cannot insert expressions ({self.model.__name__})")
-            values += prepared
+        rows = _values(list(self.rows), alias, connection, fields)
+        if rows is None:
+            raise ValueError(f"a write with a move cannot insert expressions ({self.model.__name__})")
+        values = [value for row in rows for value in row]
         names = ", ".join(f"c{n}" for n in range(len(fields)))
         # Without the types' parameters: a cast to varchar(64) would cut a longer value short
         # where the INSERT itself refuses it (as _unnest's arrays).

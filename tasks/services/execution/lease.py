@@ -72,9 +72,13 @@ class Lease:
         (the task, None) when another step holds its lease. On PostgreSQL one statement, the
         claim's UPDATE read back as the task (a read of its own only when nothing was claimed);
         elsewhere the read, then the claim."""
-        if connections[router.db_for_write(Task)].vendor != "postgresql":
+        def read() -> Task | None:  # the task if it is still at (state, generation)
             task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=related, extra=extra)), None)
-            if task is None or task.state != state or task.generation != generation:
+            return task if task is not None and task.state == state and task.generation == generation else None
+
+        if connections[router.db_for_write(Task)].vendor != "postgresql":
+            task = read()
+            if task is None:
                 return None, None
             lease = cls.claim(task)
             if lease is not None:  # the task as the claim left it, as PostgreSQL's statement reads it
@@ -87,10 +91,7 @@ class Lease:
                                        ("lease_expires_at", now)], returning="t.*")
         claimed = select(Task, "TRUE", [], related=related, extra=extra, over=("claimed", built))
         if not claimed:
-            task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=related, extra=extra)), None)
-            if task is None or task.state != state or task.generation != generation:
-                return None, None
-            return task, None
+            return read(), None
         lease = cls(claimed[0])
         lease._next_renewal = time.monotonic() + lease_seconds() / 3
         return claimed[0], lease
