@@ -102,7 +102,8 @@ def _enabled_channels(extra: dict[str, str] | None = None, params: list | None =
 def _rooms(channels: list[VendorChannel]) -> dict[str, ChannelRoom]:
     rooms: dict[str, ChannelRoom] = {}
     for channel in channels:
-        health = getattr(channel, "health", None) or breaker.health_for(channel)
+        joined = getattr(channel, "health", None)  # read with the channel, as fresh as health_for's
+        health = breaker.seen(channel, joined) if joined else breaker.health_for(channel)
         usage = usage_of(channel.usage)
         available = breaker.is_available(channel, health)
         trials = None

@@ -46,6 +46,12 @@ def health_for(channel: VendorChannel) -> ChannelHealth:
     found = select(ChannelHealth, "t.channel_id = %s", [("channel", channel.pk)])  # read on every step's calls
     health = found[0] if found else ChannelHealth.objects.get_or_create(
         channel=channel, defaults={"retry_tokens": channel.retry_budget_capacity})[0]
+    return seen(channel, health)
+
+
+def seen(channel: VendorChannel, health: ChannelHealth) -> ChannelHealth:
+    """Note a channel's health row just read (here, or with the channel elsewhere: admission
+    reads every channel's), so that this process's next calls within HEALTH_FRESH_S reuse it."""
     _seen[(os.getpid(), channel.pk)] = (time.monotonic(), health)
     return health
 

@@ -107,3 +107,31 @@ def test_a_half_open_breaker_whose_trial_calls_died_with_their_worker_opens_agai
     assert task.state == "SUCCEEDED" and task.channel_id == "primary", (task.state, task.error_code)
     moves = list(BreakerTransition.objects.filter(channel_id="primary").order_by("id").values_list("from_state", "to_state"))
     assert ("HALF_OPEN", "OPEN") in moves and moves[-1] == ("HALF_OPEN", "CLOSED"), moves
+
+
+def test_the_health_admission_reads_with_the_channels_serves_the_calls_after_it(transactional_db):
+    """Admission reads every channel's health with the channels (channel_rooms): a call right after
+    it in the same process takes its permit from that read instead of reading the row again, and
+    a breaker that read found open is not hidden by an older closed one this process kept."""
+    from django.db import connection
+    from django.db.models import F
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks.scheduling.channels import channel_rooms
+    from tasks.vendors import breaker
+
+    channel = VendorChannel.objects.get(pk="primary")
+    breaker.health_for(channel)  # its row exists, as after any call
+    breaker._forget(channel.pk)
+    with CaptureQueriesContext(connection) as statements:
+        rooms = channel_rooms()
+        permit = breaker.acquire(channel)
+    assert rooms["primary"].available and not permit.trial
+    assert len(statements.captured_queries) == 1, [q["sql"] for q in statements.captured_queries]
+    # Another process opens the breaker; the next admission reads it open, and so does the next call
+    # (without the admission's read noted, the closed state read a moment ago would still serve it).
+    ChannelHealth.objects.filter(pk="primary").update(breaker_state="OPEN", opened_at=timezone.now(),
+                                                      breaker_version=F("breaker_version") + 1)
+    assert not channel_rooms()["primary"].available
+    with pytest.raises(BreakerOpen):
+        breaker.acquire(channel)
