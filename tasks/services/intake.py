@@ -220,6 +220,11 @@ class _GateClosed(Exception):
     """An unlocked read found a lane's gate not open: the decision is taken again under its lock."""
 
 
+class _Stale(Exception):
+    """A tentative decision that the read under the gates' locks would not take: its transaction
+    is rolled back, and the decision taken again under the locks."""
+
+
 class _Lanes:
     """The lanes a request admits into and their load, read once; every submission accepted into
     one is counted into its load. `tentative` loads were read without the gates' locks: a gate
@@ -307,53 +312,57 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
     # PostgreSQL, no counted quota: decide on an unlocked read and write the rows, then take the
     # lanes' gate locks and check the decision against a fresh read; only that check and the
     # commit run under the locks (they are held to the commit, so that the next submission's read
-    # counts this one). A decision the fresh read would not take is rolled back and taken again
-    # under the locks. SQLite's one writer serialises the whole transaction anyway.
-    tentative = bool(lane_names) and not counts_submissions(quota) and locks.are_real()
-    with transaction.atomic():
-        if len(work) == 1 and keys and not tentative:
-            # A key another request is accepting is refused at once, without waiting for its lane.
-            taken = [locks.hold(*held, unless_taken=keys[0])]
-        else:
-            taken = locks.try_each(keys)
-            if not tentative:
-                locks.hold(*held)
-        key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
-        # The lanes' load is read with the tasks holding the request's keys, in one statement
-        # (under the gates' locks, or unlocked for a tentative decision, as the lanes are read).
-        first = _Lanes(lane_names, tentative=tentative, holders_of=(tenant, list(key_taken)) if key_taken else None)
-        used = first.holders if first.holders is not None else _tasks_by_key(tenant, list(key_taken))
-        now = timezone.now()
+    # counts this one). A decision the fresh read would not take is rolled back, the whole
+    # transaction (rare: no savepoint is paid for on every submission), and taken again under the
+    # locks. SQLite's one writer serialises the whole transaction anyway.
 
-        def decide(lanes: _Lanes, at) -> _Decided:
-            usage = QuotaUsage.read(tenant, quota, now=at) if counts_submissions(quota) else None
-            return _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files, key_taken=key_taken,
-                           used=used, quota=quota, usage=usage, lanes=lanes, actor=actor, now=at)
+    def decided_and_written(tentative: bool) -> _Decided:
+        with transaction.atomic():
+            if len(work) == 1 and keys and not tentative:
+                # A key another request is accepting is refused at once, without waiting for its lane.
+                taken = [locks.hold(*held, unless_taken=keys[0])]
+            else:
+                taken = locks.try_each(keys)
+                if not tentative:
+                    locks.hold(*held)
+            key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
+            # The lanes' load is read with the tasks holding the request's keys, in one statement
+            # (under the gates' locks, or unlocked for a tentative decision, as the lanes are read).
+            first = _Lanes(lane_names, tentative=tentative, holders_of=(tenant, list(key_taken)) if key_taken else None)
+            used = first.holders if first.holders is not None else _tasks_by_key(tenant, list(key_taken))
+            now = timezone.now()
 
-        decided = None
-        if tentative:
-            try:
+            def decide(lanes: _Lanes, at) -> _Decided:
+                usage = QuotaUsage.read(tenant, quota, now=at) if counts_submissions(quota) else None
+                return _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files, key_taken=key_taken,
+                               used=used, quota=quota, usage=usage, lanes=lanes, actor=actor, now=at)
+
+            if tentative:
+                try:
+                    decided = decide(first, now)
+                except _GateClosed:
+                    # Taken under the locks, it is taken now: after a long wait for them, the stamp
+                    # read before would make this request's own tasks look long overdue to its gate.
+                    locks.hold(*held)
+                    decided = decide(_Lanes(lane_names), timezone.now())
+                    tentative = False
+            else:
                 decided = decide(first, now)
-            except _GateClosed:
-                locks.hold(*held)
-        if decided is not None and decided.accepted:
-            written = transaction.savepoint()
             _write(decided)
-            locks.hold(*held)
-            if not _Lanes(lane_names).still_open([task for _, task, _ in decided.accepted], now):
-                transaction.savepoint_rollback(written)
-                # Rolling back to a savepoint releases the locks taken after it: the gates'
-                # locks are taken again before the decision that replaces this one.
+            if tentative and decided.accepted:
                 locks.hold(*held)
-                decided = None
-        if decided is None:
-            # Taken under the locks, it is taken now: after a long wait for them, the stamp read
-            # before would make this request's own tasks look long overdue to its lane's gate.
-            decided = decide(_Lanes(lane_names) if tentative else first, now if not tentative else timezone.now())
-            _write(decided)
-        # Pre-checks run on the workers of the task's provisional lane: a batch flood's
-        # pre-checks never queue in front of an interactive task's.
-        send_steps_on_commit("precheck", [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted])
+                if not _Lanes(lane_names).still_open([task for _, task, _ in decided.accepted], now):
+                    raise _Stale()
+            # Pre-checks run on the workers of the task's provisional lane: a batch flood's
+            # pre-checks never queue in front of an interactive task's.
+            send_steps_on_commit("precheck", [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted])
+            return decided
+
+    tentative = bool(lane_names) and not counts_submissions(quota) and locks.are_real()
+    try:
+        decided = decided_and_written(tentative)
+    except _Stale:
+        decided = decided_and_written(False)  # its keys' locks were let go with it: taken again first
     outcomes, accepted, replayed = decided.outcomes, decided.accepted, decided.replayed
     tasks_by_index = {item.index: task for item, task, _ in accepted}
     stored_ids = [source for source in replayed.values() if not isinstance(source, _Item)]

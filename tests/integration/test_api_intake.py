@@ -556,3 +556,18 @@ def test_a_file_id_in_another_spelling_of_the_same_uuid_is_the_same_file(api):
         answer = submit(api, {"file_id": spelling, "kind": "transcription", "target_format": "txt"})
         assert answer.status_code == 202, (spelling, answer.content)
         assert str(Task.objects.get(pk=answer.json()["id"]).file_id) == file_id
+
+
+def test_a_submission_takes_no_savepoint(transactional_db, api):
+    """One write transaction a submission, and no savepoint in it: on PostgreSQL a decision taken
+    on an unlocked read that the read under the lane's lock would not take is rolled back whole
+    and taken again (rare), instead of a savepoint paid for by every submission."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
+    with CaptureQueriesContext(connection) as statements:
+        answer = submit(api, body, key="no-savepoint")
+    assert answer.status_code == 202
+    assert not [q["sql"] for q in statements.captured_queries if q["sql"].startswith("SAVEPOINT")]
