@@ -8,6 +8,7 @@ other and these cost nothing.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 from django.db import connection
 
@@ -52,8 +53,23 @@ def try_each(names: list[tuple[object, ...]]) -> list[bool]:
         return [True] * len(names)
     if not connection.in_atomic_block:
         raise RuntimeError("a transaction-level lock needs a transaction")
-    keys = list(dict.fromkeys(lock_key(*name) for name in names))
+    sql, taken = try_each_sql(names)
     with connection.cursor() as cursor:
-        cursor.execute("SELECT " + ", ".join(f"pg_try_advisory_xact_lock({key})" for key in keys))
-        taken = dict(zip(keys, cursor.fetchone(), strict=True))
-    return [bool(taken[lock_key(*name)]) for name in names]
+        cursor.execute(f"SELECT ({sql})")
+        return taken(cursor.fetchone()[0])
+
+
+def try_each_sql(names: list[tuple[object, ...]]) -> tuple[str, Callable[[list[bool] | None], list[bool]]]:
+    """try_each as a subquery for a caller's statement (PostgreSQL, inside a transaction): SQL
+    that tries each lock and gives an array of booleans, and what reads try_each's answer from
+    that array. Uncorrelated, it runs once in a statement however many rows the statement reads
+    (as an InitPlan), and only if a row is read: None read means it did not run."""
+    keys = list(dict.fromkeys(lock_key(*name) for name in names))
+
+    def taken(array: list[bool] | None) -> list[bool]:
+        if array is None:
+            return try_each(names)
+        found = dict(zip(keys, array, strict=True))
+        return [bool(found[lock_key(*name)]) for name in names]
+
+    return "SELECT ARRAY[" + ", ".join(f"pg_try_advisory_xact_lock({key})" for key in keys) + "]", taken

@@ -298,34 +298,36 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             work.append(_Item(index, request, key, request.fingerprint()))
     if not work:
         return outcomes  # type: ignore[return-value]
-    # Read outside the write transaction (they are not counts: nothing to serialise).
-    wanted = {_uuid_or_none(item.request.file_id) for item in work} - {None}
-    found = {f.pk: f for f in select(
-        FileVersion, f"id IN ({', '.join(['%s'] * len(wanted))}) AND tenant_id = %s AND deleted_at IS NULL",
-        [*(("id", pk) for pk in wanted), ("tenant", tenant.pk)])} if wanted else {}
-    files = {item.index: found.get(_uuid_or_none(item.request.file_id)) for item in work}
     quota = quota_effective(tenant)
-    lane_names = sorted({_lane_for(files[i.index], i.request.priority) for i in work if files[i.index] is not None})
-    held = [("tenant-quota", tenant.pk)] if counts_submissions(quota) else []
-    held += [("lane-gate", name) for name in lane_names]  # always in this order: two requests never wait for each other
     keys = [("idempotency-key", tenant.pk, item.key) for item in work if item.key]
     # PostgreSQL, no counted quota: decide on an unlocked read and write the rows, then take the
     # lanes' gate locks and check the decision against a fresh read; only that check and the
     # commit run under the locks (they are held to the commit, so that the next submission's read
     # counts this one). A decision the fresh read would not take is rolled back, the whole
     # transaction (rare: no savepoint is paid for on every submission), and taken again under the
-    # locks. SQLite's one writer serialises the whole transaction anyway.
+    # locks. The files are read in the transaction there, in the statement that tries the keys'
+    # locks. Elsewhere they are read before it (not counts: nothing to serialise), and the
+    # decision is taken under the locks (SQLite's one writer serialises the whole transaction).
+    unlocked = not counts_submissions(quota) and locks.are_real()
+    read_before = None if unlocked else _files_of(tenant, work)[0]
 
-    def decided_and_written(tentative: bool) -> _Decided:
+    def decided_and_written(first_try: bool) -> _Decided:
         with transaction.atomic():
-            if len(work) == 1 and keys and not tentative:
+            files, taken = _files_of(tenant, work, try_keys=keys) if unlocked else (read_before, None)
+            lane_names = sorted({_lane_for(files[i.index], i.request.priority) for i in work if files[i.index] is not None})
+            held = [("tenant-quota", tenant.pk)] if counts_submissions(quota) else []
+            held += [("lane-gate", name) for name in lane_names]  # always in this order: two requests never wait for each other
+            tentative = unlocked and first_try and bool(lane_names)
+            if unlocked:
+                if not tentative:
+                    locks.hold(*held)
+            elif len(work) == 1 and keys:
                 # A key another request is accepting is refused at once, without waiting for its lane.
                 taken = [locks.hold(*held, unless_taken=keys[0])]
             else:
                 taken = locks.try_each(keys)
-                if not tentative:
-                    locks.hold(*held)
-            key_taken = dict(zip((k[2] for k in keys), taken, strict=True))
+                locks.hold(*held)
+            key_taken = dict(zip((k[2] for k in keys), taken or [], strict=True))
             # The lanes' load is read with the tasks holding the request's keys, in one statement
             # (under the gates' locks, or unlocked for a tentative decision, as the lanes are read).
             first = _Lanes(lane_names, tentative=tentative, holders_of=(tenant, list(key_taken)) if key_taken else None)
@@ -358,11 +360,10 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             send_steps_on_commit("precheck", [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted])
             return decided
 
-    tentative = bool(lane_names) and not counts_submissions(quota) and locks.are_real()
     try:
-        decided = decided_and_written(tentative)
+        decided = decided_and_written(True)
     except _Stale:
-        decided = decided_and_written(False)  # its keys' locks were let go with it: taken again first
+        decided = decided_and_written(False)  # its keys' locks were let go with it: tried again first
     outcomes, accepted, replayed = decided.outcomes, decided.accepted, decided.replayed
     tasks_by_index = {item.index: task for item, task, _ in accepted}
     stored_ids = [source for source in replayed.values() if not isinstance(source, _Item)]
@@ -465,6 +466,21 @@ def _tasks_by_key(tenant: Tenant, keys: list[str]) -> dict[str, Task]:
                    [("tenant", tenant.pk), *(("idempotency_key", key) for key in keys)],
                    only=("idempotency_key", "created_at"), extra={"key_fingerprint": _key_fingerprint("t")})
     return {task.idempotency_key: task for task in found}
+
+
+def _files_of(tenant: Tenant, work: list[_Item], *, try_keys: list[tuple] | None = None
+              ) -> tuple[dict[int, FileVersion | None], list[bool] | None]:
+    """Each item's file (None: not the tenant's, or deleted), and with `try_keys` (PostgreSQL, in
+    the write transaction) those locks tried in the same statement, as locks.try_each answers."""
+    wanted = {_uuid_or_none(item.request.file_id) for item in work} - {None}
+    tried = locks.try_each_sql(try_keys) if try_keys else None
+    found = select(
+        FileVersion, f"id IN ({', '.join(['%s'] * len(wanted))}) AND tenant_id = %s AND deleted_at IS NULL",
+        [*(("id", pk) for pk in wanted), ("tenant", tenant.pk)],
+        extra={"keys_taken": tried[0]} if tried else None) if wanted else []
+    by_id = {f.pk: f for f in found}
+    taken = tried[1](found[0].keys_taken if found else None) if tried else None
+    return {item.index: by_id.get(_uuid_or_none(item.request.file_id)) for item in work}, taken
 
 
 def _holders_column(tenant: Tenant, keys: list[str], *, first_lane: str) -> tuple[str, str, list]:

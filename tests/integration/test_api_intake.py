@@ -1,6 +1,7 @@
 """Intake through the tasks API: 202 means durable; bad input gets problem+json and stores nothing."""
 
 import json
+import uuid
 
 import pytest
 
@@ -571,3 +572,25 @@ def test_a_submission_takes_no_savepoint(transactional_db, api):
         answer = submit(api, body, key="no-savepoint")
     assert answer.status_code == 202
     assert not [q["sql"] for q in statements.captured_queries if q["sql"].startswith("SAVEPOINT")]
+
+
+def test_on_postgresql_a_submissions_file_is_read_in_the_statement_that_tries_its_keys_lock(transactional_db, api):
+    """PostgreSQL: in its write transaction a submission reads its file and tries its key's lock
+    in one statement; a file not found reads no row, and the lock is tried on its own (the key is
+    answered for all the same)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's one writer needs no key locks")
+    file_id = upload(api, files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt"}
+    for key, expected in (("file-and-key", 202), ("file-and-key", 202), ("no-such-file", 404)):
+        with CaptureQueriesContext(connection) as statements:
+            answer = submit(api, {**body, "file_id": str(uuid.uuid4())} if expected == 404 else body, key=key)
+        assert answer.status_code == expected, answer.content
+        tried = [q["sql"] for q in statements.captured_queries if "pg_try_advisory_xact_lock" in q["sql"]]
+        files_read = [q["sql"] for q in statements.captured_queries if "tasks_fileversion" in q["sql"]]
+        assert len(files_read) == 1, files_read
+        assert len(tried) == (1 if expected == 202 else 2) and "tasks_fileversion" in tried[0], tried
+    assert Task.objects.count() == 1
