@@ -30,7 +30,7 @@ def hold(*names: tuple[object, ...], unless_taken: tuple[object, ...] | None = N
     order, so two of them never wait for each other). With `unless_taken`, first try that lock
     without waiting: if another transaction holds it, return False at once, holding nothing new.
     Returns True once every lock is held."""
-    if connection.vendor != "postgresql":
+    if connection.vendor != "postgresql" or not (names or unless_taken):
         return True
     if not connection.in_atomic_block:
         raise RuntimeError("a transaction-level lock needs a transaction")
@@ -60,7 +60,8 @@ def try_each(names: list[tuple[object, ...]]) -> list[bool]:
 
 
 def try_each_sql(names: list[tuple[object, ...]]) -> tuple[str, Callable[[list[bool] | None], list[bool]]]:
-    """try_each as a subquery for a caller's statement (PostgreSQL, inside a transaction): SQL
+    """try_each as a subquery for a caller's statement (PostgreSQL, inside a transaction, on this
+    module's connection, the default database's: the locks are that transaction's): SQL
     that tries each lock and gives an array of booleans, and what reads try_each's answer from
     that array. Uncorrelated, it runs once in a statement however many rows the statement reads
     (as an InitPlan), and only if a row is read: None read means it did not run."""

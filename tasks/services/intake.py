@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connections, router, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 from django.utils import timezone
 
 from tasks import counters, filetypes, locks, timescale
@@ -169,7 +169,9 @@ def task_submit(*, tenant: Tenant, request: SubmitRequest, idempotency_key: str 
     group commit: each decided on its own, in arrival order, as a batch's items are). A second
     request with the same key while the first is still being accepted is refused (409) instead of
     waiting for it (PostgreSQL; on SQLite the first has committed before the second can look, and
-    the second replays it)."""
+    the second replays it). On PostgreSQL a submission whose decision is taken again (its lane
+    filled while it was decided) lets its key go for that instant: a request with the key that
+    comes then holds it, and this one is answered as that one's duplicate."""
     if transaction.get_connection().in_atomic_block:  # the caller's transaction: alone, inside it
         outcome = _submit_all(tenant=tenant, items=[(request, idempotency_key)], actor=actor)[0]
     else:
@@ -222,7 +224,8 @@ class _GateClosed(Exception):
 
 class _Stale(Exception):
     """A tentative decision that the read under the gates' locks would not take: its transaction
-    is rolled back, and the decision taken again under the locks."""
+    (inside a caller's, its savepoint) is rolled back, and the decision taken again under the
+    locks."""
 
 
 class _Lanes:
@@ -304,9 +307,11 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
     # lanes' gate locks and check the decision against a fresh read; only that check and the
     # commit run under the locks (they are held to the commit, so that the next submission's read
     # counts this one). A decision the fresh read would not take is rolled back, the whole
-    # transaction (rare: no savepoint is paid for on every submission), and taken again under the
-    # locks. The files are read in the transaction there, in the statement that tries the keys'
-    # locks. Elsewhere they are read before it (not counts: nothing to serialise), and the
+    # transaction (rare: no savepoint is paid for on every submission; inside a caller's
+    # transaction, its savepoint), and taken again under the locks: its keys' locks, let go with
+    # it, are tried again first, and a request that took one meanwhile has it (this one is then
+    # answered as that request's duplicate). The files are read in the transaction there, in the
+    # statement that tries the keys' locks. Elsewhere they are read before it (not counts: nothing to serialise), and the
     # decision is taken under the locks (SQLite's one writer serialises the whole transaction).
     unlocked = not counts_submissions(quota) and locks.are_real()
     read_before = None if unlocked else _files_of(tenant, work)[0]
@@ -319,8 +324,8 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             held += [("lane-gate", name) for name in lane_names]  # always in this order: two requests never wait for each other
             tentative = unlocked and first_try and bool(lane_names)
             if unlocked:
-                if not tentative:
-                    locks.hold(*held)
+                if not tentative and (len(keys) < len(work) or any(taken)):
+                    locks.hold(*held)  # (not when every item's key is another request's: refused at once)
             elif len(work) == 1 and keys:
                 # A key another request is accepting is refused at once, without waiting for its lane.
                 taken = [locks.hold(*held, unless_taken=keys[0])]
@@ -473,13 +478,19 @@ def _files_of(tenant: Tenant, work: list[_Item], *, try_keys: list[tuple] | None
     """Each item's file (None: not the tenant's, or deleted), and with `try_keys` (PostgreSQL, in
     the write transaction) those locks tried in the same statement, as locks.try_each answers."""
     wanted = {_uuid_or_none(item.request.file_id) for item in work} - {None}
-    tried = locks.try_each_sql(try_keys) if try_keys else None
+    # (The locks are tried on the default database's connection, in the files' statement only
+    # where the files are read there.)
+    together = bool(try_keys) and bool(wanted) and router.db_for_read(FileVersion) == DEFAULT_DB_ALIAS
+    tried = locks.try_each_sql(try_keys) if together else None
     found = select(
         FileVersion, f"id IN ({', '.join(['%s'] * len(wanted))}) AND tenant_id = %s AND deleted_at IS NULL",
         [*(("id", pk) for pk in wanted), ("tenant", tenant.pk)],
         extra={"keys_taken": tried[0]} if tried else None) if wanted else []
     by_id = {f.pk: f for f in found}
-    taken = tried[1](found[0].keys_taken if found else None) if tried else None
+    if try_keys is None:
+        taken = None
+    else:
+        taken = tried[1](found[0].keys_taken if found else None) if tried else locks.try_each(try_keys)
     return {item.index: by_id.get(_uuid_or_none(item.request.file_id)) for item in work}, taken
 
 

@@ -593,4 +593,5 @@ def test_on_postgresql_a_submissions_file_is_read_in_the_statement_that_tries_it
         files_read = [q["sql"] for q in statements.captured_queries if "tasks_fileversion" in q["sql"]]
         assert len(files_read) == 1, files_read
         assert len(tried) == (1 if expected == 202 else 2) and "tasks_fileversion" in tried[0], tried
+        assert "SELECT 1" not in [q["sql"] for q in statements.captured_queries], "no lock to wait for: no statement"
     assert Task.objects.count() == 1

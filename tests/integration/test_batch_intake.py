@@ -182,3 +182,26 @@ def test_a_batch_is_accepted_while_the_redis_broker_is_unreachable_and_its_trigg
     assert answer.status_code == 200 and answer.json()["accepted"] == 6, answer.content
     assert Task.objects.count() == 6
     assert sorted(Task.objects.values_list("state", "enqueued_at")) == [("ACCEPTED", None)] * 6
+
+
+def test_a_batch_of_several_files_with_keys_repeated_across_them_answers_each_key_as_one(api, vendor):
+    """Keys repeated across the items of several files: each key is one task, replayed or a
+    mismatch item by item. PostgreSQL reads the batch's files in the statement that tries its keys'
+    locks, each key tried once however many files and items."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    first, second = upload(api), upload(api, files.wav(3))
+    items = [item(first, idempotency_key="x"), item(second, idempotency_key="y"), item(first, idempotency_key="x"),
+             item(second, idempotency_key="y", target_format="srt"), item(second, idempotency_key="x")]
+    with CaptureQueriesContext(connection) as statements:
+        answer = batch(api, items).json()
+    assert [(r["status"], r.get("replayed"), r.get("code")) for r in answer["data"]] == [
+        (202, False, None), (202, False, None), (202, True, None), (422, None, "idempotency_key_mismatch"),
+        (422, None, "idempotency_key_mismatch")]
+    assert answer["data"][0]["id"] == answer["data"][2]["id"] != answer["data"][1]["id"]
+    assert sorted(Task.objects.values_list("idempotency_key", flat=True)) == ["x", "y"]
+    if connection.vendor == "postgresql":
+        tried = [q["sql"] for q in statements.captured_queries if "pg_try_advisory_xact_lock" in q["sql"]]
+        assert len(tried) == 1 and "tasks_fileversion" in tried[0], tried
+        assert tried[0].count("pg_try_advisory_xact_lock") == 2, tried
