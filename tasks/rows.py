@@ -24,6 +24,7 @@ from django.db import connections, router, transaction
 from django.db.models import (
     AutoField,
     BigIntegerField,
+    BooleanField,
     CharField,
     DateTimeField,
     F,
@@ -34,8 +35,10 @@ from django.db.models import (
     Model,
     PositiveIntegerField,
     PositiveSmallIntegerField,
+    SlugField,
     SmallIntegerField,
     TextField,
+    URLField,
     UUIDField,
     Value,
 )
@@ -211,7 +214,8 @@ def _preparers(model: type[Model], alias: str, fields: list) -> list[Callable[[M
     return _PREPARERS[key]
 
 
-_TEXT = (CharField, TextField)
+# (Subclasses that prepare their values as CharField does.)
+_TEXT = (CharField, TextField, SlugField, URLField)
 # (Not the automatic keys: theirs is another chain, validate_autopk_value instead of the adapter.)
 _INTEGER = (IntegerField, BigIntegerField, SmallIntegerField, PositiveIntegerField, PositiveSmallIntegerField)
 
@@ -220,17 +224,19 @@ def _preparer(field: Field) -> Callable[[Model, Any], Any]:
     def full(obj: Model, connection: Any) -> Any:
         return field.get_db_prep_save(field.pre_save(obj, True), connection)
 
-    plain_read = type(field).pre_save is Field.pre_save or (
-        type(field) is DateTimeField and not field.auto_now and not field.auto_now_add)
+    # A timestamp set on save is set as its pre_save sets it, and then passed on as any datetime.
+    stamped = type(field) is DateTimeField and (field.auto_now or field.auto_now_add)
+    plain_read = type(field).pre_save is Field.pre_save or type(field) is DateTimeField
     column = field.target_field if type(field) is ForeignKey else field
     kind = type(column)
-    if not plain_read or not (kind in _TEXT or kind in _INTEGER or kind in (DateTimeField, UUIDField)):
+    if not plain_read or not (kind in _TEXT or kind in _INTEGER
+                              or kind in (DateTimeField, UUIDField, BooleanField, FloatField)):
         return full
     attname = field.attname
     internal = column.get_internal_type()
 
     def prepare(obj: Model, connection: Any) -> Any:
-        value = getattr(obj, attname)
+        value = field.pre_save(obj, True) if stamped else getattr(obj, attname)
         if value is None:
             return None
         cls = type(value)
@@ -242,8 +248,11 @@ def _preparer(field: Field) -> Callable[[Model, Any], Any]:
             return value if connection.features.has_native_uuid_field else value.hex
         if kind is DateTimeField and cls is datetime and settings.USE_TZ and value.utcoffset() is not None:
             return connection.ops.adapt_datetimefield_value(value)
+        if (kind is BooleanField and cls is bool) or (kind is FloatField and cls is float):
+            return value
         return field.get_db_prep_save(value, connection)
 
+    prepare.stamped = stamped  # type: ignore[attr-defined]
     return prepare
 
 
