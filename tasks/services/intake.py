@@ -311,8 +311,9 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
     # transaction, its savepoint), and taken again under the locks: its keys' locks, let go with
     # it, are tried again first, and a request that took one meanwhile has it (this one is then
     # answered as that request's duplicate). The files are read in the transaction there, in the
-    # statement that tries the keys' locks. Elsewhere they are read before it (not counts: nothing to serialise), and the
-    # decision is taken under the locks (SQLite's one writer serialises the whole transaction).
+    # statement that tries the keys' locks. Elsewhere they are read before it (not counts: nothing
+    # to serialise), and the decision is taken under the locks (SQLite's one writer serialises the
+    # whole transaction).
     unlocked = not counts_submissions(quota) and locks.are_real()
     read_before = None if unlocked else _files_of(tenant, work)[0]
 
