@@ -90,8 +90,10 @@ def transition(
     then: list[Hop] | None = None,
     returning: tuple[str, ...] = (),
     writes: tuple[rows.Write, ...] = (),
+    expect: dict[str, Any] | None = None,
 ) -> Moved | None:
-    """Move a task from `source` at `generation` to `target`; None if it was not there any more.
+    """Move a task from `source` at `generation` to `target`; None if it was not there any more
+    (or, with `expect`, if those columns no longer hold what the caller read: None for NULL).
     `at`: the moment the move is stamped with (now), when the caller wrote that moment in `fields` too.
     `then`: transitions on from `target` made in the same compare-and-set, each allowed by the
     table and each with its history entry and its generation (a worker that admits a task and
@@ -107,12 +109,14 @@ def transition(
     for before, after in zip(states, states[1:], strict=False):
         if not is_allowed(before, after):
             raise IllegalTransition(f"{before} → {after} is not in the lifecycle table")
+    if _CAS_KEYS & (expect or {}).keys():
+        raise TypeError(f"expect may not name {sorted(_CAS_KEYS & expect.keys())}: the compare-and-set's own")
     changes = dict(fields or {})
     if _PROTECTED & changes.keys():
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
     now = at or timezone.now()
     changes.update(state=states[-1], generation=F("generation") + len(hops), updated_at=now)
-    row = {"id": task_id, "state": states[0], "generation": generation}
+    row = {"id": task_id, "state": states[0], "generation": generation, **(expect or {})}
     events = [new_row(TaskEvent, task_id=task_id, from_state=before, to_state=hop.target, generation=generation + n,
                       actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
               for n, (before, hop) in enumerate(zip(states, hops, strict=False), start=1)]

@@ -609,6 +609,9 @@ def _admit(lane: Lane, *, priority: str, lanes: _Lanes) -> bool:
             shed["pk"], source=State.QUEUED, target=State.EXPIRED, generation=shed["generation"],
             actor="admission", reason=f"shed: lane {lane.name} was closing ({gate.reason}) and dropped its oldest waiting task",
             fields=dict(error_code="shed", error_message="the lane was full; the oldest waiting task was shed"),
+            # Admission may have dispatched it since it was read (reserving its slots and sending
+            # its start, without moving it): a task on its way to run is not shed.
+            expect={"dispatched_at": None},
         ):
             lanes.shed(lane)
             return False

@@ -83,10 +83,12 @@ def task_move(
     attempt_outcome: str | None = None,
     attempt_fields: dict[str, Any] | None = None,
     dead_letter_class: str | None = None,
+    expect: dict[str, Any] | None = None,
 ) -> lifecycle.Moved | None:
     """Move the task (lifecycle.transition) with what must commit with the move: the running
     attempt's end (`attempt_outcome`, and `attempt_fields` it learnt and has not written yet), a
-    terminal move's slot release and notification, a dead letter."""
+    terminal move's slot release and notification, a dead letter. `expect`: columns that must
+    still hold what the caller read for the task to move."""
     target = State(target)
     fields = dict(fields or {})
     now = timezone.now()
@@ -109,7 +111,8 @@ def task_move(
     logged = (Write.insert(calls, if_moved=False),) if calls else ()
     try:
         moved = _moved(task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
-                       fields=fields, data=data, writes=ended + logged, dead_letter_class=dead_letter_class)
+                       fields=fields, data=data, writes=ended + logged, dead_letter_class=dead_letter_class,
+                       expect=expect)
     except BaseException:
         _put_back(calls)
         raise
@@ -127,13 +130,14 @@ def task_move(
 
 def _moved(task_id: Any, *, source: State | str, target: State, generation: int, actor: str, reason: str,
            fields: dict[str, Any], data: dict[str, Any] | None, writes: tuple[Write, ...],
-           dead_letter_class: str | None) -> tuple[lifecycle.Moved, LeftBehind | None] | None:
+           dead_letter_class: str | None, expect: dict[str, Any] | None) -> tuple[lifecycle.Moved, LeftBehind | None] | None:
     """task_move's transaction: the move with its writes, a terminal move's slot release and
     notification, a dead letter; the move and what it said the task leaves behind."""
     with transaction.atomic():
         moved = lifecycle.transition(
             task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
             fields=fields, data=data, returning=_left_behind() if target in TERMINAL_STATES else (), writes=writes,
+            expect=expect,
         )
         if moved is None:
             return None

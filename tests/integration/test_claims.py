@@ -136,6 +136,25 @@ def test_a_transition_writes_its_fields_and_exactly_one_history_entry_or_nothing
     assert TaskEvent.objects.filter(task=task, to_state="QUEUED").count() == 1
 
 
+def test_a_transition_expecting_a_column_moves_only_while_it_holds_what_was_read(db, api):
+    """`expect`: columns the compare-and-set also compares (None for NULL); a task whose column
+    changed since it was read does not move and gets no history entry."""
+    from django.utils import timezone
+
+    task = Task.objects.get(pk=submit_file(api))
+    Task.objects.filter(pk=task.pk).update(dispatched_at=timezone.now())
+    with pytest.raises(TypeError):
+        lifecycle.transition(task.pk, source=task.state, target=State.CANCELLED, generation=task.generation,
+                             actor="t", reason="x", expect={"generation": 0})
+    assert lifecycle.transition(task.pk, source=task.state, target=State.CANCELLED, generation=task.generation,
+                                actor="t", reason="x", expect={"dispatched_at": None}) is None
+    assert not TaskEvent.objects.filter(task=task, to_state="CANCELLED").exists()
+    Task.objects.filter(pk=task.pk).update(dispatched_at=None)
+    assert lifecycle.transition(task.pk, source=task.state, target=State.CANCELLED, generation=task.generation,
+                                actor="t", reason="x", expect={"dispatched_at": None}) is not None
+    assert Task.objects.get(pk=task.pk).state == "CANCELLED"
+
+
 def test_a_move_through_several_states_records_each_and_is_refused_where_any_step_is(db, api):
     """A move with `then` (a worker admitting a task and claiming it at once): one compare-and-set,
     each transition checked against the table and recorded in order with its own generation; a

@@ -72,6 +72,47 @@ def test_shed_oldest_expires_the_oldest_waiting_task_with_a_reason(api, vendor):
     assert "oldest waiting task" in shed.events.last().reason
 
 
+def test_shed_oldest_leaves_a_task_admission_dispatched_after_it_was_read(api, vendor):
+    """The oldest waiting task is read, then moved to EXPIRED by a compare-and-set. Admission
+    may dispatch it in between (reserving its slots and sending its start without moving it): a
+    task on its way to run is not shed, and the submission is refused as if nothing could be."""
+    import threading
+
+    from django.db import connection
+
+    from tasks import costs
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's one writer serialises the submission and the admission")
+    Lane.objects.filter(pk="batch").update(max_queued=2, overflow_policy="shed-oldest", max_running=0, early_close_pct=100)
+    first = route(submit_file(api, priority="batch"))
+    route(submit_file(api, priority="batch"))
+    dispatched_between: list[bool] = []
+
+    def dispatch_first() -> None:
+        try:
+            Task.objects.filter(pk=first.pk).update(dispatched_at=timezone.now())  # committed at once
+        finally:
+            connection.close()
+
+    def spy(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if (not dispatched_between and costs.kind(sql) == "SELECT tasks_task"
+                and '"dispatched_at" IS NULL' in sql and "LIMIT 1" in sql):
+            admission = threading.Thread(target=dispatch_first)
+            admission.start()
+            admission.join(10)
+            dispatched_between.append(True)
+        return result
+
+    with connection.execute_wrapper(spy):
+        third = submit_raw(api, files.wav(), priority="batch")
+    assert dispatched_between, "the submission did not read a task to shed"
+    assert third.status_code == 503 and third.json()["code"] == "backlog_full", third.content
+    kept = Task.objects.get(pk=first.pk)
+    assert kept.state == "QUEUED" and kept.dispatched_at is not None
+
+
 def test_defer_accepts_and_admits_later_when_there_is_room(api, vendor):
     Lane.objects.filter(pk="batch").update(max_queued=1, overflow_policy="defer", max_running=0, early_close_pct=100)
     queued = route(submit_file(api, priority="batch"))
