@@ -67,13 +67,23 @@ test-s3: install
 	@echo "== files and results in an S3 bucket =="
 	SLUICE_STORAGE_URL=s3://sluice-suite/run SLUICE_DATA_DIR=$(CURDIR)/var/test-s3 $(PY) -m pytest $(PYTEST_ARGS) $(S3_TESTS)
 
-# The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI).
+# The tests of the queue's messages (written with their transaction, taken, resent), run again on
+# PostgreSQL with the embedded broker: a deployment with PostgreSQL and no Redis.
+QUEUE_TESTS := tests/integration/test_api_intake.py tests/integration/test_batch_intake.py \
+	tests/integration/test_pipeline.py tests/integration/test_precheck.py tests/integration/test_costs.py \
+	tests/integration/test_worker_pool.py tests/integration/test_rows.py
+
+# The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI),
+# then the queue's tests and the POC scenarios on PostgreSQL with the embedded broker.
 test-distributed: install
 	@if $(PY) scripts/services_up.py; then \
 	  echo "== PostgreSQL + Redis =="; \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS) && \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all && \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all --dialect assemblyai && \
+	  echo "== PostgreSQL with the embedded broker (no Redis) ==" && \
+	  env -u REDIS_URL DATABASE_URL=$(PG_URL) $(PY) -m pytest $(PYTEST_ARGS) $(QUEUE_TESTS) && \
+	  env -u REDIS_URL DATABASE_URL=$(PG_URL) $(PY) manage.py poc run all && \
 	  $(MAKE) --no-print-directory chaos-short; \
 	else echo "PostgreSQL or Redis not reachable on 127.0.0.1: distributed run skipped"; fi
 
