@@ -109,14 +109,12 @@ def transition(
     for before, after in zip(states, states[1:], strict=False):
         if not is_allowed(before, after):
             raise IllegalTransition(f"{before} → {after} is not in the lifecycle table")
-    if _CAS_KEYS & (expect or {}).keys():
-        raise TypeError(f"expect may not name {sorted(_CAS_KEYS & expect.keys())}: the compare-and-set's own")
     changes = dict(fields or {})
     if _PROTECTED & changes.keys():
         raise IllegalTransition(f"transition fields may not include {_PROTECTED & changes.keys()}")
     now = at or timezone.now()
     changes.update(state=states[-1], generation=F("generation") + len(hops), updated_at=now)
-    row = {"id": task_id, "state": states[0], "generation": generation, **(expect or {})}
+    row = _cas_conditions(task_id, states[0], generation, expect)
     events = [new_row(TaskEvent, task_id=task_id, from_state=before, to_state=hop.target, generation=generation + n,
                       actor=hop.actor[:100], reason=hop.reason[:300], data=hop.data or {}, at=now)
               for n, (before, hop) in enumerate(zip(states, hops, strict=False), start=1)]
@@ -258,9 +256,7 @@ def task_update(task_id: Any, *, state: State | str, generation: int, expect: di
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     fields["updated_at"] = timezone.now()
-    if _CAS_KEYS & (expect or {}).keys():
-        raise TypeError(f"expect may not name {sorted(_CAS_KEYS & expect.keys())}: the compare-and-set's own")
-    conditions = {"id": task_id, "state": state, "generation": generation, **(expect or {})}
+    conditions = _cas_conditions(task_id, state, generation, expect)
     alias = router.db_for_write(Task)
     if writes and connections[alias].vendor == "postgresql":
         built = _built(conditions, fields, returning=f"t.{connections[alias].ops.quote_name(Task._meta.pk.column)}")
@@ -279,6 +275,14 @@ def task_update(task_id: Any, *, state: State | str, generation: int, expect: di
 
 
 _CAS_KEYS = {"id", "pk", "state", "generation"}
+
+
+def _cas_conditions(task_id: Any, state: State | str, generation: int, expect: dict[str, Any] | None) -> dict[str, Any]:
+    """What a compare-and-set compares: the task's id, state and generation, and the columns the
+    caller `expect`s to hold what it read (None for NULL)."""
+    if _CAS_KEYS & (expect or {}).keys():
+        raise TypeError(f"expect may not name {sorted(_CAS_KEYS & expect.keys())}: the compare-and-set's own")
+    return {"id": task_id, "state": state, "generation": generation, **(expect or {})}
 
 
 def task_update_recorded(task_id: Any, *, state: State | str, generation: int, actor: str, reason: str,
