@@ -71,7 +71,8 @@ test-s3: install
 # PostgreSQL with the embedded broker: a deployment with PostgreSQL and no Redis.
 QUEUE_TESTS := tests/integration/test_api_intake.py tests/integration/test_batch_intake.py \
 	tests/integration/test_pipeline.py tests/integration/test_precheck.py tests/integration/test_costs.py \
-	tests/integration/test_worker_pool.py tests/integration/test_rows.py
+	tests/integration/test_worker_pool.py tests/integration/test_rows.py \
+	tests/integration/test_broker_doorbell.py
 
 # The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI),
 # then the queue's tests and the POC scenarios on PostgreSQL with the embedded broker.

@@ -16,16 +16,29 @@ message taken by a cluster that dies before running it is sent again by the disp
 seconds, where the lock's claim would have had django-q2 deliver it again only after the lane's
 step timeout. The control cluster's messages (sweeps, notifications, bulk operations) keep the
 claim and the acknowledgement.
+
+On SQLite every process is on one machine, and a key's pusher rests between messages instead
+of asking the database ten times a second: a message's sender rings the key's doorbell (a byte
+appended to a file beside the database, after its transaction commits) and a pusher whose last
+poll found nothing polls again only when the doorbell rang since, or QUIET_POLL_S after that
+poll (a bound for a ring that never came: a sender killed between its commit and its ring). A
+resting pusher costs a `stat` where it cost a statement (the control cluster's an UPDATE that
+queued for SQLite's one writer) ten times a second.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import re
 from datetime import datetime, timedelta
-from time import sleep
+from functools import cached_property
+from time import monotonic, sleep
 from typing import Any
 
 from django.conf import settings
-from django.db import connections, router
+from django.db import connections, router, transaction
 from django.utils import timezone
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
@@ -33,8 +46,68 @@ from django_q.models import OrmQ
 
 from tasks.rows import insert_rows, new_row, update_sql
 
+logger = logging.getLogger(__name__)
+
+QUIET_POLL_S = 1.0  # a resting pusher's longest pause between polls (real seconds, as django-q2's POLL)
+ROLLOVER_BYTES = 4096  # a doorbell's file is emptied when it reaches this size
+
+
+class Doorbell:
+    """A key's doorbell on SQLite (this module's docstring): `ring` after a message commits;
+    `rang` says whether it rang since the pusher's last look, which `looked` records."""
+
+    _complained = False
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen: Any = object()  # nothing seen yet: the first look always finds a ring
+
+    @classmethod
+    def of(cls, key: str) -> Doorbell | None:
+        """The doorbell of `key`'s messages, or None where pushers poll (not SQLite, or a
+        database in memory that no other process shares)."""
+        connection = connections[Conf.ORM]
+        if connection.vendor != "sqlite" or connection.is_in_memory_db():
+            return None
+        safe = re.sub(r"[^A-Za-z0-9_-]", "", key)
+        if safe != key or not safe:
+            safe = f"{safe[:40]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        return cls(f"{connection.settings_dict['NAME']}.doorbell-{safe}")
+
+    def ring(self) -> None:
+        # Writable by whoever may write the database (the umask decides, as for SQLite's files).
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                os.write(fd, b".")
+                if os.fstat(fd).st_size >= ROLLOVER_BYTES:
+                    os.ftruncate(fd, 0)  # a change a pusher sees like any other ring
+            finally:
+                os.close(fd)
+        except OSError as error:
+            # The message is taken all the same, within QUIET_POLL_S: said once per process.
+            if not Doorbell._complained:
+                Doorbell._complained = True
+                logger.warning("a doorbell cannot be rung (%s): resting pushers poll every %s s",
+                               type(error).__name__, QUIET_POLL_S)
+
+    def _state(self) -> tuple[int, int, int] | None:
+        try:
+            found = os.stat(self.path)
+        except OSError:
+            return None
+        return found.st_ino, found.st_size, found.st_mtime_ns
+
+    def rang(self) -> bool:
+        return self._state() != self._seen
+
+    def looked(self) -> None:
+        self._seen = self._state()
+
 
 class Orm(ORM):
+    _rested_since: float | None = None  # when this pusher's last poll found nothing
+
     def delete(self, task_id: Any) -> None:
         if self._takes_by_deleting():  # taken, so gone already
             return
@@ -43,15 +116,30 @@ class Orm(ORM):
 
     def enqueue(self, task: Any) -> Any:
         self.get_connection()  # what django-q2's does first (old connections closed outside a transaction)
-        return insert_rows([new_row(OrmQ, key=self.list_key or Conf.CLUSTER_NAME, payload=task, lock=timezone.now())],
-                          return_pk=True, using=Conf.ORM)
+        sent = insert_rows([new_row(OrmQ, key=self._key(), payload=task, lock=timezone.now())],
+                           return_pk=True, using=Conf.ORM)
+        self._ring()
+        return sent
 
     def enqueue_many(self, packages: list[str]) -> None:
         """Messages written in one statement (a batch submission's pre-checks)."""
         self.get_connection()
         now = timezone.now()
-        insert_rows([new_row(OrmQ, key=self.list_key or Conf.CLUSTER_NAME, payload=package, lock=now)
-                     for package in packages], using=Conf.ORM)
+        insert_rows([new_row(OrmQ, key=self._key(), payload=package, lock=now) for package in packages], using=Conf.ORM)
+        self._ring()
+
+    def _key(self) -> str:
+        return self.list_key or Conf.CLUSTER_NAME
+
+    @cached_property
+    def doorbell(self) -> Doorbell | None:
+        return Doorbell.of(self._key())
+
+    def _ring(self) -> None:
+        """Ring the key's doorbell once the message is there for the pushers: now, or when the
+        caller's transaction commits (a message rolled back with it rings nothing)."""
+        if self.doorbell is not None:
+            transaction.on_commit(self.doorbell.ring, using=Conf.ORM)
 
     def dequeue(self) -> list[tuple[Any, str]] | None:
         """django-q2's: up to BULK messages due, each claimed by moving its lock forward only if
@@ -60,14 +148,23 @@ class Orm(ORM):
         if not self._statements_of_its_own():
             return super().dequeue()
         self.get_connection()  # old connections closed outside a transaction, as django-q2's does
+        bell = self.doorbell
+        if bell is not None and self._rested_since is not None:
+            if not bell.rang() and monotonic() < self._rested_since + QUIET_POLL_S:
+                sleep(Conf.POLL)
+                return None
+        if bell is not None:
+            bell.looked()  # before the poll: a message sent during it rings again after this look
         now = timezone.now()
         if self._takes_by_deleting():
             claimed = _taken(Conf.ORM, self.list_key, now)
         else:
             claimed = _claimed(Conf.ORM, self.list_key, now, now + timedelta(seconds=Conf.RETRY))
         if not claimed:
+            self._rested_since = monotonic()
             sleep(Conf.POLL)
             return None
+        self._rested_since = None  # more may be due than one poll takes (BULK): poll again at once
         return claimed
 
     def _takes_by_deleting(self) -> bool:
