@@ -142,7 +142,7 @@ def test_a_dispatcher_tick_asks_what_is_due_without_reading_the_backlog():
     now = timezone.now()
     backlog_read = []
     for name, (probe, _) in dispatch._FULL_PASSES.items():
-        asked = _statements(lambda: dispatch._which_have_rows({name: probe(now)}), some=False)  # noqa: B023 (called here)
+        asked = _statements(lambda: dispatch._which_have_rows({name: (probe, now)}), some=False)  # noqa: B023 (called here)
         for sql, params in asked:
             if connection.vendor == "postgresql":
                 rows = _task_rows_read(sql, params)
