@@ -44,7 +44,7 @@ def test_a_probe_whose_statement_does_not_follow_the_clock_is_compiled_every_tim
     assert dispatch._probe_sql(day_started, later) == dispatch._compiled(day_started(later))
 
 
-def test_a_tick_finds_work_that_fell_due_and_compiles_no_queryset(tenant):
+def test_a_tick_finds_work_that_fell_due_and_compiles_no_queryset(tenant, monkeypatch):
     file = FileVersion.objects.create(tenant=tenant, sha256="cd" * 32, size=10, detected_type="audio/x-wav",
                                       extension="wav", label="a.wav", storage_name="x")
     task = Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
@@ -53,15 +53,12 @@ def test_a_tick_finds_work_that_fell_due_and_compiles_no_queryset(tenant):
     now = timezone.now()
     probes = {name: (probe, now) for name, (probe, _) in dispatch._SHORT_PASSES.items()}
     dispatch._which_have_rows(probes)  # the shapes are kept
-    compiled = []
+    compiled = []  # the ORM's compilations from here on (each still made, and recorded)
     original = dispatch._compiled
-    dispatch._compiled = lambda queryset: compiled.append(queryset) or original(queryset)
-    try:
-        with CaptureQueriesContext(connection) as statements:
-            assert "retries_due" not in dispatch._which_have_rows(probes)
-            later = {name: (probe, task.due_at + timedelta(seconds=1)) for name, (probe, _) in probes.items()}
-            assert "retries_due" in dispatch._which_have_rows(later)
-    finally:
-        dispatch._compiled = original
+    monkeypatch.setattr(dispatch, "_compiled", lambda queryset: compiled.append(queryset) or original(queryset))
+    with CaptureQueriesContext(connection) as statements:
+        assert "retries_due" not in dispatch._which_have_rows(probes)
+        later = {name: (probe, task.due_at + timedelta(seconds=1)) for name, (probe, _) in probes.items()}
+        assert "retries_due" in dispatch._which_have_rows(later)
     assert len(statements.captured_queries) == 2
     assert compiled == []
