@@ -179,15 +179,19 @@ def _clock_shape(probe: Callable[[datetime], QuerySet]) -> _Shape | None:
         if one == other:
             kept.append(_Kept(value=one))
             continue
-        # A moment as the ORM passes it on: a datetime, or (SQLite) the backend's text of it.
-        moments = [value if isinstance(value, datetime) else parse_datetime(value) if isinstance(value, str) else None
-                   for value in (one, other)]
-        if None in moments:
+        # A moment as the ORM passes it on: a datetime, or (SQLite) the backend's text of it,
+        # compared with the first moment passed on the same way.
+        as_text = isinstance(one, str) and isinstance(other, str)
+        if as_text:
+            at_first, at_second = parse_datetime(one), parse_datetime(other)
+            base = parse_datetime(connection.ops.adapt_datetimefield_value(_FIRST))
+        elif isinstance(one, datetime) and isinstance(other, datetime) and timezone.is_aware(one):
+            at_first, at_second, base = one, other, _FIRST
+        else:
             return None
-        at_first, at_second = (m if timezone.is_aware(m) else timezone.make_aware(m, UTC) for m in moments)
-        if at_second - at_first != _SECOND - _FIRST:
+        if at_first is None or at_second is None or at_second - at_first != _SECOND - _FIRST:
             return None
-        kept.append(_Kept(offset=at_first - _FIRST, as_text=isinstance(one, str)))
+        kept.append(_Kept(offset=at_first - base, as_text=as_text))
     return sql, kept
 
 
