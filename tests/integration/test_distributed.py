@@ -69,7 +69,7 @@ def test_budgets_fencing_and_fairness_hold_across_three_worker_processes(vendor,
         people_ids = [submit_file(interactive, files.wav(2)) for _ in range(3)]
 
         # Kill a worker process that is in the middle of a flood task's upload. A killed task holds
-        # its slot, and counts as its tenant's running task, until its lease lapses: the trickle's
+        # its slot, and counts as its tenant's running task, until it is fenced and reconciled: the trickle's
         # would keep the trickle at its fair share, and behind the flood, for that whole time.
         def uploading():
             return Task.objects.filter(pk__in=flood_ids, state="RUNNING", phase="upload").exclude(lease_owner="").first()
