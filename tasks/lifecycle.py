@@ -8,6 +8,8 @@ count of 0 means someone else moved the task first; callers handle that, it is n
 
 from __future__ import annotations
 
+import itertools
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -44,7 +46,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 # Columns that only this module may write.
-_PROTECTED = {"state", "generation", "id", "tenant", "tenant_id"}
+_PROTECTED = {"state", "generation", "id", "tenant", "tenant_id", "moves_note"}
 
 
 class IllegalTransition(Exception):
@@ -123,13 +125,75 @@ def transition(
     if connections[alias].vendor == "postgresql":
         moved, said = _update_and_record(row, changes, events, returning=returning, writes=writes)
     else:
-        # Inside a caller's transaction no savepoint of its own: a failure here fails the caller's.
-        with transaction.atomic(using=alias, savepoint=False):
-            moved, said = _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
-            if moved:
-                insert_rows(events, using=alias)
-            _run_writes(writes, moved=moved)
+        moved, said = _update_noted(row, changes, events, returning=returning, writes=writes, alias=alias)
     return Moved(generation=generation + len(hops), said=said) if moved else None
+
+
+def _update_noted(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent], *,
+                  returning: tuple[str, ...], writes: tuple[rows.Write, ...], alias: str) -> tuple[bool, tuple | None]:
+    """The compare-and-set and its history entries in one statement (SQLite, which has no
+    writable WITH): the UPDATE writes the entries into the row's `moves_note` and the trigger
+    `task_moves_recorded` copies them into the history as the row is written, so the entries
+    exist exactly when the row moved. `writes` follow, each a statement, in one transaction with it
+    (inside a caller's transaction no savepoint of its own: a failure fails the caller's)."""
+    changes["moves_note"] = _note(events, connections[alias])
+    if not writes:
+        return _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
+    with transaction.atomic(using=alias, savepoint=False):
+        moved, said = _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
+        _run_writes(writes, moved=moved)
+    return moved, said
+
+
+# A note is never the one the row holds already (the trigger copies only a changed note), even for
+# two equal findings in the same microsecond.
+_NOTES = itertools.count()
+
+
+def _note(events: list[TaskEvent], connection: Any) -> str:
+    """`moves_note`: the entries as the history's columns hold them, and the moment they are
+    stamped with, which is the row's `updated_at` in the same write (the trigger's check: a row
+    written back whole from an older read carries an older note and a newer `updated_at`)."""
+    fields = [TaskEvent._meta.get_field(name) for name in _EVENT_COLUMNS[1:]]
+    entries = [[field.get_db_prep_save(getattr(event, field.attname), connection) for field in fields]
+               for event in events]
+    return json.dumps({"n": next(_NOTES), "at": entries[0][-1], "e": entries}, separators=(",", ":"))
+
+
+def history_trigger_sql() -> list[str]:
+    """SQLite's trigger that writes a move's history entries from the row's `moves_note` (see
+    `_update_noted`): only when the write names the note, changes it, and stamps the row with the
+    note's moment."""
+    task, event = Task._meta, TaskEvent._meta
+    columns = ", ".join(event.get_field(name).column for name in _EVENT_COLUMNS)
+    values = ", ".join(f"json_extract(value, '$[{n}]')" for n in range(len(_EVENT_COLUMNS) - 1))
+    note, stamped, pk = task.get_field("moves_note").column, task.get_field("updated_at").column, task.pk.column
+    return [
+        f"CREATE TRIGGER {HISTORY_TRIGGER} AFTER UPDATE OF {note} ON {task.db_table} FOR EACH ROW "
+        f"WHEN NEW.{note} IS NOT NULL AND NEW.{note} IS NOT OLD.{note} AND json_extract(NEW.{note}, '$.at') = NEW.{stamped} "
+        f"BEGIN INSERT INTO {event.db_table} ({columns}) SELECT NEW.{pk}, {values} "
+        f"FROM json_each(NEW.{note}, '$.e') ORDER BY key; END"
+    ]
+
+
+HISTORY_TRIGGER = "task_moves_recorded"
+
+
+def history_trigger_install(apps: Any = None, schema_editor: Any = None) -> None:
+    """Create `history_trigger_sql`'s trigger on SQLite (migration 0029); PostgreSQL writes the
+    entries in the move's WITH and needs none."""
+    connection = schema_editor.connection if schema_editor is not None else connections["default"]
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cursor:
+            for statement in history_trigger_sql():
+                cursor.execute(statement)
+
+
+def history_trigger_remove(apps: Any = None, schema_editor: Any = None) -> None:
+    connection = schema_editor.connection if schema_editor is not None else connections["default"]
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP TRIGGER IF EXISTS {HISTORY_TRIGGER}")
 
 
 def _run_writes(writes: tuple[rows.Write, ...], *, moved: bool) -> None:
@@ -289,7 +353,7 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
                          data: dict | None = None, returning: tuple[str, ...] = (),
                          writes: tuple[rows.Write, ...] = (), **fields: Any) -> Moved | None:
     """`task_update` and a history entry of it (a finding, not a state change), the entry written
-    when the row was: one statement on PostgreSQL (as a transition's), two on SQLite. None if the
+    when the row was: one statement on both databases (as a transition's). None if the
     task was not there any more; else the task at the same generation, with what `returning`
     said (as `transition`'s). `writes`: as `transition`'s."""
     if _PROTECTED & fields.keys():
@@ -304,11 +368,7 @@ def task_update_recorded(task_id: Any, *, state: State | str, generation: int, a
     if connections[alias].vendor == "postgresql":
         updated, said = _update_and_record(row, fields, [event], returning=returning, writes=writes)
     else:
-        with transaction.atomic(using=alias, savepoint=False):  # the entry exactly when the row was written
-            updated, said = _update_returning(row, fields, returning) if returning else (bool(_update(row, fields)), None)
-            if updated:
-                insert_rows([event], using=alias)
-            _run_writes(writes, moved=updated)
+        updated, said = _update_noted(row, fields, [event], returning=returning, writes=writes, alias=alias)
     return Moved(generation=generation, said=said) if updated else None
 
 

@@ -427,6 +427,11 @@ class Task(models.Model):
     result_size = models.BigIntegerField(null=True, blank=True)
     result_content_type = models.CharField(max_length=100, blank=True)
     estimated_units = models.PositiveIntegerField(null=True, blank=True)
+    moves_note = models.TextField(
+        null=True, blank=True, editable=False,
+        help_text="SQLite: the history entries of the row's last recorded write, which a trigger copies into the "
+                  "history as the write is made (tasks.lifecycle). Always empty on PostgreSQL.",
+    )
 
     class Meta:
         constraints = [

@@ -93,3 +93,24 @@ def test_reversed_the_keys_migration_writes_the_records_the_release_before_reads
     assert list(IdempotencyRecord.objects.values_list("key", "fingerprint", "task_id")) == [
         ("order-9", task.idempotency_fingerprint, task.pk)]
     assert task.idempotency_fingerprint
+
+
+@pytest.mark.django_db(transaction=True)  # SQLite's schema editor cannot open inside a test's transaction
+def test_the_history_note_is_added_in_place_and_its_trigger_is_sqlites_alone():
+    """Migration 0029 adds the task's `moves_note` without rebuilding the table (a rebuild on
+    SQLite drops the counters' triggers) and, on SQLite, the trigger that writes a move's history
+    entries from it (tasks/lifecycle.py); PostgreSQL writes them in the move's WITH."""
+    from tasks.lifecycle import HISTORY_TRIGGER
+
+    statements = [sql for sql in _statements(MigrationLoader(connection), ("tasks", "0029_history_with_moves"))
+                  if not sql.startswith("--")]
+    assert len(statements) == 1 and re.match(r'ALTER TABLE "tasks_task" ADD COLUMN "moves_note" text NULL', statements[0]), \
+        statements
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT tgname FROM pg_trigger WHERE tgrelid = 'tasks_task'::regclass AND NOT tgisinternal")
+            assert HISTORY_TRIGGER not in {row[0] for row in cursor.fetchall()}
+        else:
+            cursor.execute("SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'tasks_task'")
+            assert {HISTORY_TRIGGER, "task_counts_insert", "task_counts_update", "task_counts_delete"} \
+                <= {row[0] for row in cursor.fetchall()}
