@@ -160,7 +160,10 @@ def _note(events: list[TaskEvent], connection: Any) -> str:
     return json.dumps({"n": next(_NOTES), "at": entries[0][-1], "e": entries}, separators=(",", ":"))
 
 
-def history_trigger_sql() -> list[str]:
+HISTORY_TRIGGER = "task_moves_recorded"
+
+
+def history_trigger_sql() -> str:
     """SQLite's trigger that writes a move's history entries from the row's `moves_note` (see
     `_update_noted`): only when the write names the note, changes it, and stamps the row with the
     note's moment."""
@@ -168,32 +171,21 @@ def history_trigger_sql() -> list[str]:
     columns = ", ".join(event.get_field(name).column for name in _EVENT_COLUMNS)
     values = ", ".join(f"json_extract(value, '$[{n}]')" for n in range(len(_EVENT_COLUMNS) - 1))
     note, stamped, pk = task.get_field("moves_note").column, task.get_field("updated_at").column, task.pk.column
-    return [
-        f"CREATE TRIGGER {HISTORY_TRIGGER} AFTER UPDATE OF {note} ON {task.db_table} FOR EACH ROW "
-        f"WHEN NEW.{note} IS NOT NULL AND NEW.{note} IS NOT OLD.{note} AND json_extract(NEW.{note}, '$.at') = NEW.{stamped} "
-        f"BEGIN INSERT INTO {event.db_table} ({columns}) SELECT NEW.{pk}, {values} "
-        f"FROM json_each(NEW.{note}, '$.e') ORDER BY key; END"
-    ]
+    return (f"CREATE TRIGGER {HISTORY_TRIGGER} AFTER UPDATE OF {note} ON {task.db_table} FOR EACH ROW "
+            f"WHEN NEW.{note} IS NOT NULL AND NEW.{note} IS NOT OLD.{note} AND json_extract(NEW.{note}, '$.at') = NEW.{stamped} "
+            f"BEGIN INSERT INTO {event.db_table} ({columns}) SELECT NEW.{pk}, {values} "
+            f"FROM json_each(NEW.{note}, '$.e') ORDER BY key; END")
 
 
-HISTORY_TRIGGER = "task_moves_recorded"
+def history_trigger_install(apps: Any, schema_editor: Any) -> None:
+    """Migration 0029: the trigger on SQLite; PostgreSQL writes the entries in the move's WITH."""
+    if schema_editor.connection.vendor == "sqlite":
+        schema_editor.execute(history_trigger_sql(), params=None)
 
 
-def history_trigger_install(apps: Any = None, schema_editor: Any = None) -> None:
-    """Create `history_trigger_sql`'s trigger on SQLite (migration 0029); PostgreSQL writes the
-    entries in the move's WITH and needs none."""
-    connection = schema_editor.connection if schema_editor is not None else connections["default"]
-    if connection.vendor == "sqlite":
-        with connection.cursor() as cursor:
-            for statement in history_trigger_sql():
-                cursor.execute(statement)
-
-
-def history_trigger_remove(apps: Any = None, schema_editor: Any = None) -> None:
-    connection = schema_editor.connection if schema_editor is not None else connections["default"]
-    if connection.vendor == "sqlite":
-        with connection.cursor() as cursor:
-            cursor.execute(f"DROP TRIGGER IF EXISTS {HISTORY_TRIGGER}")
+def history_trigger_remove(apps: Any, schema_editor: Any) -> None:
+    if schema_editor.connection.vendor == "sqlite":
+        schema_editor.execute(f"DROP TRIGGER IF EXISTS {HISTORY_TRIGGER}", params=None)
 
 
 def _run_writes(writes: tuple[rows.Write, ...], *, moved: bool) -> None:

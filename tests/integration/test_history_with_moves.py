@@ -5,25 +5,16 @@ the entries of the moves that happened, never again for a later write of the row
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
-from django.utils import timezone
 
 from tasks import lifecycle
-from tasks.models import FileVersion, Task, TaskEvent
+from tasks.models import Task, TaskEvent
 from tasks.states import State
+from tests.support.flows import stored_task
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _task(tenant) -> Task:
-    file = FileVersion.objects.create(tenant=tenant, sha256="ab" * 32, size=10, detected_type="audio/x-wav",
-                                      extension="wav", label="a.wav", storage_name="x")
-    return Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
-                               deadline_at=timezone.now() + timedelta(hours=1))
 
 
 def _entries(task: Task) -> list[tuple]:
@@ -36,7 +27,7 @@ def _sent(statements: CaptureQueriesContext) -> list[str]:
 
 
 def test_a_move_outside_a_transaction_is_one_statement_with_its_history_entry(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     with CaptureQueriesContext(connection) as statements:
         moved = lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=0, actor="test",
                                      reason="queued ’ünïcode’", data={"lane": "batch", "n": [1, 2], "q": "'\"\\"})
@@ -49,7 +40,7 @@ def test_a_move_outside_a_transaction_is_one_statement_with_its_history_entry(te
 
 
 def test_a_move_of_several_hops_writes_an_entry_a_hop_in_their_order(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     moved = lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=0, actor="admission",
                                  reason="admitted", then=[lifecycle.Hop(State.RUNNING, "worker", "claimed", {"w": 1})])
     assert moved is not None and moved.generation == 2
@@ -58,7 +49,7 @@ def test_a_move_of_several_hops_writes_an_entry_a_hop_in_their_order(tenant):
 
 
 def test_a_recorded_update_is_one_statement_with_its_entry(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     with CaptureQueriesContext(connection) as statements:
         recorded = lifecycle.task_update_recorded(task.pk, state=State.ACCEPTED, generation=0, actor="test",
                                                   reason="found", data={"k": "v"}, waiting_reason="y")
@@ -68,7 +59,7 @@ def test_a_recorded_update_is_one_statement_with_its_entry(tenant):
 
 
 def test_two_equal_findings_are_two_entries(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     for _ in range(2):
         assert lifecycle.task_update_recorded(task.pk, state=State.ACCEPTED, generation=0, actor="test",
                                               reason="found", waiting_reason="y")
@@ -76,9 +67,12 @@ def test_two_equal_findings_are_two_entries(tenant):
 
 
 def test_later_writes_of_the_row_add_no_entry(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=0, actor="test", reason="queued")
+    older = Task.objects.get(pk=task.pk)  # read with the first move's note
+    lifecycle.task_update_recorded(task.pk, state=State.QUEUED, generation=1, actor="test", reason="found")
     before = _entries(task)
+    older.save()  # a whole row written back from before the finding: the first move's note, a newer updated_at
     assert lifecycle.task_update(task.pk, state=State.QUEUED, generation=1, waiting_reason="x")
     Task.objects.filter(pk=task.pk).update(reconcile_rounds=3)
     row = Task.objects.get(pk=task.pk)
@@ -90,7 +84,7 @@ def test_later_writes_of_the_row_add_no_entry(tenant):
 
 
 def test_a_move_that_did_not_happen_writes_no_entry(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     assert lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=7, actor="test",
                                 reason="stale") is None
     assert lifecycle.transition(task.pk, source=State.QUEUED, target=State.RUNNING, generation=0, actor="test",
@@ -99,7 +93,7 @@ def test_a_move_that_did_not_happen_writes_no_entry(tenant):
 
 
 def test_a_move_in_a_transaction_that_rolls_back_leaves_no_entry(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     with pytest.raises(RuntimeError), transaction.atomic():
         lifecycle.transition(task.pk, source=State.ACCEPTED, target=State.QUEUED, generation=0, actor="test", reason="q")
         raise RuntimeError("the caller fails")

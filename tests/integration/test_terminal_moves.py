@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 from django.db import IntegrityError, connection, transaction
@@ -21,7 +20,6 @@ from tasks.models import (
     Attempt,
     BudgetSlot,
     DuplicateIncident,
-    FileVersion,
     Lane,
     Notification,
     Task,
@@ -39,16 +37,9 @@ from tasks.services.outcomes import LeftBehind, task_move
 from tasks.states import State
 from tasks.vendors.protocol import Created, JobView
 from tests.conftest import CHANNEL_DEFAULTS
-from tests.support.flows import submit_file
+from tests.support.flows import stored_task, submit_file
 
 NOTHING = LeftBehind(outbox=False, several_jobs=False, lanes_waiting=False, slots_open=False)
-
-
-def _task(tenant, **extra) -> Task:
-    file = FileVersion.objects.create(tenant=tenant, sha256="cd" * 32, size=10, detected_type="audio/x-wav",
-                                      extension="wav", label="a.wav", storage_name="x")
-    return Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
-                               deadline_at=timezone.now() + timedelta(hours=1), **extra)
 
 
 def _fail(task: Task):
@@ -57,7 +48,7 @@ def _fail(task: Task):
 
 
 def test_a_terminal_move_of_a_task_nobody_listens_to_reads_nothing_after_it(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     with CaptureQueriesContext(connection) as statements:
         moved = _fail(task)
     assert LeftBehind.of(moved) == NOTHING
@@ -68,11 +59,11 @@ def test_a_terminal_move_of_a_task_nobody_listens_to_reads_nothing_after_it(tena
 
 
 def test_a_terminal_move_writes_the_notification_of_a_task_or_tenant_with_a_callback(tenant):
-    listened = _task(tenant, callback_url="https://hooks.example.com/task")
+    listened = stored_task(tenant, callback_url="https://hooks.example.com/task")
     assert LeftBehind.of(_fail(listened)).outbox
     tenant.callback_url = "https://hooks.example.com/tenant"
     tenant.save()
-    by_tenant = _task(tenant)
+    by_tenant = stored_task(tenant)
     assert LeftBehind.of(_fail(by_tenant)).outbox
     sent = {n.task_id: (n.url, n.event_type, n.status) for n in Notification.objects.all()}
     assert sent == {listened.pk: ("https://hooks.example.com/task", "task.failed", Notification.Status.PENDING),
@@ -81,7 +72,7 @@ def test_a_terminal_move_writes_the_notification_of_a_task_or_tenant_with_a_call
 
 def test_an_older_event_still_pending_is_superseded_though_nobody_listens_any_more(tenant):
     # A dead letter replayed after its failure was announced: the URL has since been removed.
-    task = _task(tenant)
+    task = stored_task(tenant)
     older = Notification.objects.create(task=task, generation=task.generation, tenant=tenant,
                                         url="https://hooks.example.com/gone", event_type="task.failed", payload={},
                                         next_attempt_at=timezone.now())
@@ -99,7 +90,7 @@ def _job(task: Task, n: int) -> VendorJob:
 
 
 def test_a_terminal_move_says_whether_the_task_has_more_than_one_vendor_job(tenant):
-    one, two = _task(tenant), _task(tenant)
+    one, two = stored_task(tenant), stored_task(tenant)
     _job(one, 1)
     _job(two, 1), _job(two, 2)
     assert LeftBehind.of(_fail(one)) == NOTHING
@@ -109,7 +100,7 @@ def test_a_terminal_move_says_whether_the_task_has_more_than_one_vendor_job(tena
 
 def test_a_task_that_ends_with_a_second_job_never_checked_gets_its_incident_as_it_ends(tenant):
     # A step that died between recording a job and its billing check; the task then fails.
-    task = _task(tenant)
+    task = stored_task(tenant)
     kept = _job(task, 1)
     Task.objects.filter(pk=task.pk).update(vendor_job=kept)
     VendorJob.objects.filter(pk=_job(task, 2).pk).update(amount_cents=5)
@@ -122,13 +113,13 @@ def test_a_task_that_ends_with_a_second_job_never_checked_gets_its_incident_as_i
 
 def test_a_terminal_move_says_whether_a_lane_holds_tasks_waiting_for_admission(transactional_db, tenant):
     # Committed, not in a test's transaction: PostgreSQL's counters move when the writer commits.
-    waiting = _task(tenant, lane_id="batch", state=State.QUEUED)
-    admitted = _task(tenant, lane_id="batch", state=State.QUEUED, dispatched_at=timezone.now())
-    assert LeftBehind.of(_fail(_task(tenant))).lanes_waiting
+    waiting = stored_task(tenant, lane_id="batch", state=State.QUEUED)
+    admitted = stored_task(tenant, lane_id="batch", state=State.QUEUED, dispatched_at=timezone.now())
+    assert LeftBehind.of(_fail(stored_task(tenant))).lanes_waiting
     Task.objects.filter(pk=waiting.pk).update(dispatched_at=timezone.now())
-    assert LeftBehind.of(_fail(_task(tenant))) == NOTHING, "a task admitted and not yet started waits for no slot"
+    assert LeftBehind.of(_fail(stored_task(tenant))) == NOTHING, "a task admitted and not yet started waits for no slot"
     Task.objects.filter(pk=admitted.pk).update(lane_id="interactive", dispatched_at=None)
-    assert LeftBehind.of(_fail(_task(tenant))).lanes_waiting, "any lane's waiting task counts"
+    assert LeftBehind.of(_fail(stored_task(tenant))).lanes_waiting, "any lane's waiting task counts"
 
 
 def _open_slots(task: Task) -> int:
@@ -138,7 +129,7 @@ def _open_slots(task: Task) -> int:
 def test_a_running_task_that_ends_holding_slots_releases_them(tenant):
     # A create the vendor refused: the job slot is still held when the task fails.
     channel = VendorChannel.objects.get(name="primary")
-    task = _task(tenant, state=State.RUNNING, channel=channel)
+    task = stored_task(tenant, state=State.RUNNING, channel=channel)
     slots_reserve(task, channel)
     moved = task_move(task.pk, source=State.RUNNING, target=State.FAILED, generation=task.generation, actor="test",
                       reason="refused", fields=dict(error_code="refused"))
@@ -153,7 +144,7 @@ def test_slots_reserved_while_a_queued_task_is_cancelled_are_released_with_it(tr
     are reserved in releases them whatever it read. Real threads, each with its own connection."""
     channel = VendorChannel.objects.get(name="primary")
     for _ in range(3):
-        task = _task(tenant, state=State.QUEUED, lane_id="batch")
+        task = stored_task(tenant, state=State.QUEUED, lane_id="batch")
         reserved = threading.Event()
 
         def admit() -> None:
@@ -316,7 +307,7 @@ def test_two_jobs_recorded_at_once_for_a_task_are_always_reported(vendor, tenant
             connection.close()
 
     for _ in range(10):
-        task = _task(tenant, state=State.RUNNING, channel=channel)
+        task = stored_task(tenant, state=State.RUNNING, channel=channel)
         task.channel = channel
         threads = [threading.Thread(target=created_by_the_start_step, args=(task,)),
                    threading.Thread(target=adopted_by_another_path, args=(task,))]
@@ -338,7 +329,7 @@ def test_the_calls_a_last_move_was_to_write_are_written_later_when_it_fails(tran
     from tasks.services.tenancy import tenant_ensure
     from tasks.vendors import http
 
-    task = _task(tenant_ensure(name="acme"))
+    task = stored_task(tenant_ensure(name="acme"))
     channel = VendorChannel.objects.order_by("name").first()
     http.log_calls([new_row(VendorCall, channel=channel, task=task, generation=0, operation="create", outcome="ok")])
     failing = dict(error_code=None)  # NOT NULL: the move's statement fails

@@ -4,24 +4,15 @@ the move's own statement, on SQLite after it in its transaction. Both databases.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test.utils import CaptureQueriesContext
-from django.utils import timezone
 
 from tasks import lifecycle
-from tasks.models import FileVersion, Task, TaskEvent
+from tasks.models import Task, TaskEvent
 from tasks.rows import Write, new_row
 from tasks.states import State
-
-
-def _task(tenant) -> Task:
-    file = FileVersion.objects.create(tenant=tenant, sha256="ab" * 32, size=10, detected_type="audio/x-wav",
-                                      extension="wav", label="a.wav", storage_name="x")
-    return Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
-                               deadline_at=timezone.now() + timedelta(hours=1))
+from tests.support.flows import stored_task
 
 
 def _note(task: Task, reason: str, *, if_moved: bool = True) -> Write:
@@ -43,7 +34,7 @@ def _queue(task: Task, generation: int, writes: tuple[Write, ...]):
 
 
 def test_a_moves_writes_are_made_when_it_moved_and_only_those_asked_for_when_it_did_not(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     TaskEvent.objects.create(task=task, generation=0, actor="test", reason="before")
     stale = _queue(task, task.generation + 5, (_note(task, "if moved"), _note(task, "anyway", if_moved=False),
                                                _renamed(task, "before", "renamed while stale")))
@@ -55,7 +46,7 @@ def test_a_moves_writes_are_made_when_it_moved_and_only_those_asked_for_when_it_
 
 
 def test_an_updates_writes_follow_its_compare_and_set(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     assert not lifecycle.task_update(task.pk, state=State.QUEUED, generation=0, waiting_reason="x",
                                      writes=(_note(task, "if updated"), _note(task, "anyway", if_moved=False)))
     assert _reasons(task) == {"anyway"}
@@ -68,7 +59,7 @@ def test_an_updates_writes_follow_its_compare_and_set(tenant):
 
 
 def test_on_postgresql_a_moves_writes_are_in_its_statement_and_fail_with_it(tenant):
-    task = _task(tenant)
+    task = stored_task(tenant)
     with CaptureQueriesContext(connection) as statements:
         moved = _queue(task, 0, (_note(task, "one"), _note(task, "two")))
     assert moved is not None
@@ -78,7 +69,7 @@ def test_on_postgresql_a_moves_writes_are_in_its_statement_and_fail_with_it(tena
     else:
         assert len(written) == 3, written  # the move with its entry (a trigger's), each write: in its transaction
     # A write that fails fails the move: neither is left.
-    other = _task(tenant)
+    other = stored_task(tenant)
     broken = Write.insert([new_row(TaskEvent, task_id=task.pk, generation=None, actor="test", reason="no generation")])
     with pytest.raises(DatabaseError), transaction.atomic():
         _queue(other, 0, (broken,))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 from django.test import Client
+from django.utils import timezone
 
-from tasks.models import Task, TenantQuota
+from tasks.models import FileVersion, Task, TenantQuota
 from tasks.poc import files
 
 
@@ -61,3 +63,12 @@ def quota_set(tenant, **fields) -> None:
     for name, value in fields.items():
         setattr(quota, name, value)
     quota.save()
+
+
+def stored_task(tenant, **extra) -> Task:
+    """A task row of a stored (unchecked) file, written directly (ACCEPTED, generation 0, unless
+    `extra` says otherwise): for tests of what writes a task, without the intake around it."""
+    file = FileVersion.objects.create(tenant=tenant, sha256="ab" * 32, size=10, detected_type="audio/x-wav",
+                                      extension="wav", label="a.wav", storage_name="x")
+    return Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
+                               deadline_at=timezone.now() + timedelta(hours=1), **extra)
