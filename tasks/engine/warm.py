@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -41,6 +42,8 @@ FILTERS = {
     ("writer", "txt"): "Text (encoded)|UTF8",
 }
 START_S = 20.0  # how long a fresh instance may take to accept connections
+OS_PIPES = Path("/tmp")  # where LibreOffice's named pipes live (osl's fixed directory)
+PIPE_NAME = "sluice-pipe"  # the file in an instance's profile naming the pipe it accepts on
 
 
 def family(extension: str) -> str | None:
@@ -108,6 +111,9 @@ def kill(slot: Path) -> None:
                 kill_one(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+    deadline = time.monotonic() + 2  # its files go once it is gone (a live one's never do)
+    while _alive(state.get("supervisor_pid")) and time.monotonic() < deadline:
+        time.sleep(0.02)
     _remove_leftovers(slot)
     (slot / "state.json").unlink(missing_ok=True)
 
@@ -118,13 +124,34 @@ def _own_paths(slot: Path, supervisor_pid: int) -> tuple[Path, Path]:
     return slot / f"profile-{supervisor_pid}", slot / f"uno-{supervisor_pid}.sock"
 
 
+def _os_pipes(profile: Path) -> list[Path]:
+    """The named pipes an instance makes in /tmp (LibreOffice's osl puts them there whatever TMPDIR
+    says, and one killed leaves them): the one it accepts on, named in its profile, and its
+    single-instance pipe, named by the MD5 of its profile's URL in UTF-16, each byte in unpadded
+    hex, as LibreOffice writes it."""
+    digest = hashlib.md5(f"file://{profile}".encode("utf-16-le")).digest()
+    names = ["SingleOfficeIPC_" + "".join(format(byte, "x") for byte in digest)]
+    try:
+        names.append((profile / PIPE_NAME).read_text())
+    except OSError:
+        pass
+    return [OS_PIPES / f"OSL_PIPE_{os.getuid()}_{name}" for name in names if "/" not in name]
+
+
+def _remove_instance_files(profile: Path) -> None:
+    """An ended instance's pipes in /tmp and its profile (its temporary files inside)."""
+    for path in _os_pipes(profile):
+        path.unlink(missing_ok=True)
+    shutil.rmtree(profile, ignore_errors=True)
+
+
 def _remove_leftovers(slot: Path) -> None:
-    """Remove the profiles and sockets of instances whose supervisor is gone (killed, not ended)."""
+    """Remove the profiles, sockets and pipes of instances whose supervisor is gone (killed, not ended)."""
     for path in [*slot.glob("profile-*"), *slot.glob("uno-*.sock")]:
         pid = path.name.removeprefix("profile-").removeprefix("uno-").removesuffix(".sock")
         if pid.isdigit() and not _alive(int(pid)):
             if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+                _remove_instance_files(path)
             else:
                 path.unlink(missing_ok=True)
 
@@ -242,7 +269,11 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
     command = _isolated([engine.soffice(), "--headless", "--invisible", "--nologo", "--norestore", "--nodefault",
                          "--nolockcheck", f"-env:UserInstallation=file://{profile}",
                          f"--accept=pipe,name={pipe};urp;StarOffice.ComponentContext"])
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(slot), "LANG": "C.UTF-8", "SAL_USE_VCLPLUGIN": "svp"}
+    scratch = profile / "tmp"  # its temporary files (the certificate store's) go with its profile
+    scratch.mkdir(parents=True, exist_ok=True)
+    (profile / PIPE_NAME).write_text(pipe)  # so whoever removes the profile removes the pipe too
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(slot), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
+           "SAL_USE_VCLPLUGIN": "svp"}
     # CPU is bounded per conversion by its wall clock; the instance's own CPU limit is its whole life's.
     office = subprocess.Popen(command, cwd=slot, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, preexec_fn=_limits(3600, memory_mb, output_mb))
@@ -264,7 +295,7 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
                 pass
             process.wait()
         sock.unlink(missing_ok=True)
-        shutil.rmtree(profile, ignore_errors=True)
+        _remove_instance_files(profile)
 
     try:
         while office.poll() is None:

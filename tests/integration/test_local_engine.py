@@ -280,6 +280,11 @@ def test_a_document_that_keeps_crashing_the_engine_is_poison_for_this_engine_ver
     assert retried.state == "QUEUED" and retried.lane_id == "unknown-risk", (retried.state, retried.error_code)
 
 
+def _libreoffice_leftovers_in_tmp() -> set[str]:
+    return {path.name for path in Path("/tmp").iterdir()
+            if path.name.startswith("OSL_PIPE_") or (path.name.startswith("lu") and path.name.endswith(".tmp"))}
+
+
 def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, settings):
     from tasks.engine import warm
 
@@ -291,6 +296,7 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
     slot = root() / "warm" / "interactive" / "0"
     for lane_slot in (root() / "warm").glob("*/*"):
         warm.kill(lane_slot)  # instances of earlier tests were started with other settings
+    left_in_tmp = _libreoffice_leftovers_in_tmp()
     instances, bridges, supervisors = [], [], []
     for index in range(3):
         path = tmp_path / f"memo-{index}.docx"
@@ -319,8 +325,35 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
     while (slot / "state.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not (slot / "state.json").exists() and not list(slot.glob("profile-*")) and not list(slot.glob("uno-*.sock"))
+    # Nor did the two instances leave anything in the machine's /tmp: LibreOffice's named pipes
+    # (osl puts them there whatever TMPDIR says, and a killed instance does not remove them) and
+    # its certificate store's scratch directories.
+    assert _libreoffice_leftovers_in_tmp() - left_in_tmp == set()
     assert not Path(f"/proc/{bridges[2]}").exists() or b"uno_convert" not in Path(f"/proc/{bridges[2]}/cmdline").read_bytes()
     assert not Path(f"/proc/{instances[2]}").exists() or b"soffice" not in Path(f"/proc/{instances[2]}/cmdline").read_bytes()
+
+
+def test_a_killed_warm_converter_leaves_nothing_behind(tmp_path, settings):
+    from tasks.engine import warm
+
+    if not warm.available():
+        pytest.fail("Debian's python3-uno is missing: run `make engine` (make test and make run do).")
+    settings.ENGINE_WARM_POOL = {**settings.ENGINE_WARM_POOL, "interactive": 1}
+    slot = root() / "warm" / "interactive" / "0"
+    for lane_slot in (root() / "warm").glob("*/*"):
+        warm.kill(lane_slot)
+    left_in_tmp = _libreoffice_leftovers_in_tmp()
+    path = tmp_path / "memo.docx"
+    path.write_bytes(documents.docx("Warm memo", pages=1))
+    adapter, job_id = convert(path, "pdf", lane="interactive")
+    assert finished(adapter, job_id).status == "completed"
+    state = __import__("json").loads((slot / "state.json").read_text())
+    assert _libreoffice_leftovers_in_tmp() - left_in_tmp, "a running instance has its pipes in /tmp"
+    warm.kill(slot)  # as a conversion that overran, or an operator's restart, does
+    assert not (slot / "state.json").exists() and not list(slot.glob("profile-*")), list(slot.iterdir())
+    assert _libreoffice_leftovers_in_tmp() - left_in_tmp == set()
+    assert not Path(f"/proc/{state['soffice_pid']}").exists() or b"soffice" not in Path(
+        f"/proc/{state['soffice_pid']}/cmdline").read_bytes()
 
 
 @pytest.mark.parametrize("source,target,expect", [
