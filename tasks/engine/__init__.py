@@ -11,8 +11,11 @@ What it converts (input family → targets):
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 WRITER = ("docx", "doc", "odt", "rtf", "txt")
 CALC = ("xlsx", "xls", "ods")
@@ -28,11 +31,20 @@ class ConversionFailed(Exception):
         self.code, self.message = code, message
 
 
+def remove_pipes(profile: Path, pipe: str | None = None) -> None:
+    """Remove the named pipes a LibreOffice with this profile made in /tmp (osl puts them there
+    whatever TMPDIR says, and a killed LibreOffice leaves them): its single-instance pipe, named by
+    the MD5 of the profile's URL in UTF-16 with each byte in unpadded hex, as LibreOffice writes
+    it, and `pipe`, the one it was told to accept on."""
+    digest = hashlib.md5(f"file://{profile}".encode("utf-16-le")).digest()
+    for name in ("SingleOfficeIPC_" + "".join(format(byte, "x") for byte in digest), pipe):
+        if name and "/" not in name:
+            Path(f"/tmp/OSL_PIPE_{os.getuid()}_{name}").unlink(missing_ok=True)
+
+
 def daemonize() -> None:
     """Detach this process: the one that started it returns at once, and it is nobody's zombie
     (double fork, its own session, standard streams on /dev/null)."""
-    import os
-
     if os.fork():
         os._exit(0)
     os.setsid()

@@ -172,9 +172,12 @@ def _step(step: str, source: Path, target: str, *, limits: dict[str, int], deadl
         out = tmp / f"out-{fmt}"
         out.mkdir(exist_ok=True)
         profile = tmp / "profile"
-        run_limited([engine.soffice(), "--headless", "--norestore", "--nolockcheck", "--nodefault", "--nologo",
-                     f"-env:UserInstallation=file://{profile}", "--convert-to", OFFICE_FILTERS[fmt], "--outdir", str(out),
-                     str(source)], limits=limits, deadline=deadline, tmp=tmp)
+        try:
+            run_limited([engine.soffice(), "--headless", "--norestore", "--nolockcheck", "--nodefault", "--nologo",
+                         f"-env:UserInstallation=file://{profile}", "--convert-to", OFFICE_FILTERS[fmt], "--outdir",
+                         str(out), str(source)], limits=limits, deadline=deadline, tmp=tmp)
+        finally:
+            engine.remove_pipes(profile)  # a LibreOffice killed at a limit leaves its pipe in /tmp
         produced = sorted(out.iterdir())
         if not produced:
             raise ConversionFailed("engine_crashed", "LibreOffice ended without writing the result")

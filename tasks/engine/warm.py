@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -42,7 +41,6 @@ FILTERS = {
     ("writer", "txt"): "Text (encoded)|UTF8",
 }
 START_S = 20.0  # how long a fresh instance may take to accept connections
-OS_PIPES = Path("/tmp")  # where LibreOffice's named pipes live (osl's fixed directory)
 PIPE_NAME = "sluice-pipe"  # the file in an instance's profile naming the pipe it accepts on
 
 
@@ -124,24 +122,16 @@ def _own_paths(slot: Path, supervisor_pid: int) -> tuple[Path, Path]:
     return slot / f"profile-{supervisor_pid}", slot / f"uno-{supervisor_pid}.sock"
 
 
-def _os_pipes(profile: Path) -> list[Path]:
-    """The named pipes an instance makes in /tmp (LibreOffice's osl puts them there whatever TMPDIR
-    says, and one killed leaves them): the one it accepts on, named in its profile, and its
-    single-instance pipe, named by the MD5 of its profile's URL in UTF-16, each byte in unpadded
-    hex, as LibreOffice writes it."""
-    digest = hashlib.md5(f"file://{profile}".encode("utf-16-le")).digest()
-    names = ["SingleOfficeIPC_" + "".join(format(byte, "x") for byte in digest)]
+def _pipe_name(profile: Path) -> str | None:
     try:
-        names.append((profile / PIPE_NAME).read_text())
+        return (profile / PIPE_NAME).read_text()
     except OSError:
-        pass
-    return [OS_PIPES / f"OSL_PIPE_{os.getuid()}_{name}" for name in names if "/" not in name]
+        return None
 
 
 def _remove_instance_files(profile: Path) -> None:
     """An ended instance's pipes in /tmp and its profile (its temporary files inside)."""
-    for path in _os_pipes(profile):
-        path.unlink(missing_ok=True)
+    engine.remove_pipes(profile, _pipe_name(profile))
     shutil.rmtree(profile, ignore_errors=True)
 
 

@@ -182,6 +182,7 @@ class LocalEngineAdapter:
             from tasks.engine.runner import write_status
 
             write_status(job_dir, status="canceled", finished_at=time.time())
+            engine.remove_pipes(job_dir / "tmp" / "profile")  # a killed LibreOffice leaves its pipe in /tmp
             shutil.rmtree(job_dir / "tmp", ignore_errors=True)
         return self._view(job_id)
 

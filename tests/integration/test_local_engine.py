@@ -159,6 +159,19 @@ def test_a_cancel_kills_the_running_converter(tmp_path, settings):
     assert not (root() / "jobs" / job_id / "tmp").exists()
 
 
+def test_a_libreoffice_stopped_at_its_wall_clock_leaves_nothing_in_tmp(tmp_path, settings):
+    settings.ENGINE_WARM_POOL = {**settings.ENGINE_WARM_POOL, "interactive": 0}  # its own LibreOffice
+    settings.ENGINE_BUDGETS = {**settings.ENGINE_BUDGETS, "default": {**settings.ENGINE_BUDGETS["default"], "wall_s": 2}}
+    left_in_tmp = _libreoffice_leftovers_in_tmp()
+    path = tmp_path / "long.docx"
+    path.write_bytes(documents.docx("A long report", pages=600, lines=12))  # some 4 s of LibreOffice
+    adapter, job_id = convert(path, "pdf", lane="interactive")
+    view = finished(adapter, job_id, timeout=30)
+    assert view.status == "failed" and view.error_code == "engine_timeout", view
+    assert leftovers(job_id) == [] and not (root() / "jobs" / job_id / "tmp").exists()
+    assert _libreoffice_leftovers_in_tmp() - left_in_tmp == set()
+
+
 def test_without_the_engine_its_channel_is_off_and_says_why(monkeypatch, settings, caplog):
     from tasks.services.setup import local_engine_ensure
 
