@@ -36,6 +36,11 @@ def test_list_names_every_contract_scenario():
     (["run", "response-lost", "--tasks", "-3"], "--tasks must be a positive number"),
     (["run", "response-lost", "--dialect", "smoke-signals"], "unknown dialect 'smoke-signals'"),
     (["run", "ignore-idempotency", "--dialect", "assemblyai"], "does not apply to the assemblyai dialect"),
+    (["run", "response-lost,no-such-scenario"], "unknown scenario 'no-such-scenario'"),
+    (["run", "response-lost,"], "unknown scenario ''"),
+    (["run", "response-lost,ignore-idempotency", "--dialect", "assemblyai"],
+     "ignore-idempotency does not apply to the assemblyai dialect"),
+    (["run", "response-lost,zombie-worker", "--live"], "zombie-worker controls processes"),
 ])
 def test_bad_usage_exits_2_with_the_reason(args, needle):
     done = run(*args)
@@ -53,6 +58,14 @@ def test_a_run_prints_one_json_document_and_exits_0_when_every_invariant_holds()
             "secrets_in_logs"} <= names
     assert all({"name", "ok", "observed", "expected"} <= set(i) for i in report["invariants"])
     assert report["metrics"]["vendor_jobs_billed"] == 8
+
+
+def test_scenarios_named_together_run_in_turn_and_report_as_a_list():
+    done = run("run", "cancel-race,response-lost", "--tasks", "8", "--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = json.loads(done.stdout)
+    assert [r["scenario"] for r in reports] == ["cancel-race", "response-lost"]
+    assert all(r["passed"] and r["tasks"] == 8 for r in reports)
 
 
 def test_breaking_reconciliation_on_purpose_fails_the_matching_scenario_and_says_why():

@@ -1,4 +1,4 @@
-"""`python manage.py poc list` / `poc run NAME|all [--seed N] [--tasks N] [--time-scale F] [--dialect D] [--json] [--live]`.
+"""`python manage.py poc list` / `poc run NAME[,NAME...]|all [--seed N] [--tasks N] [--time-scale F] [--dialect D] [--json] [--live]`.
 
 Each scenario runs in a child process against its own scratch database (a copy of a freshly
 migrated template), with its own fake vendor, web server, dispatcher and clusters. Ctrl-C stops
@@ -28,8 +28,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="action", required=True)
         sub.add_parser("list", help="List the scenarios.")
-        run = sub.add_parser("run", help="Run a scenario, or all.")
-        run.add_argument("name")
+        run = sub.add_parser("run", help="Run a scenario, several (comma-separated), or all.")
+        run.add_argument("name", help="A scenario's name, several separated by commas, or all.")
         run.add_argument("--seed", type=int, default=7)
         run.add_argument("--tasks", type=int, default=None)
         run.add_argument("--time-scale", type=float, default=None)
@@ -64,8 +64,10 @@ class Command(BaseCommand):
     def _run(self, options: dict[str, Any]) -> None:
         scenarios = by_name()
         name = options["name"]
-        if name != "all" and name not in scenarios:
-            raise CommandError(f"unknown scenario {name!r}; known: all, {', '.join(scenarios)}", returncode=2)
+        named = None if name == "all" else [part.strip() for part in name.split(",")]
+        for part in named or []:
+            if part not in scenarios:
+                raise CommandError(f"unknown scenario {part!r}; known: all, {', '.join(scenarios)}", returncode=2)
         scale = options["time_scale"]
         if scale is not None and not 0 < scale <= 10:
             raise CommandError(f"--time-scale must be in (0, 10]; got {scale}", returncode=2)
@@ -74,16 +76,15 @@ class Command(BaseCommand):
         dialect = options["dialect"]
         if dialect not in DIALECTS:
             raise CommandError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}", returncode=2)
-        chosen = list(scenarios.values()) if name == "all" else [scenarios[name]]
-        if name != "all" and dialect not in scenarios[name].dialects:
-            raise CommandError(f"{name} does not apply to the {dialect} dialect (it is written for "
-                               f"{', '.join(scenarios[name].dialects)})", returncode=2)
-        chosen = [s for s in chosen if dialect in s.dialects]
-        if options["live"]:
-            refused = [s.name for s in chosen if not s.live]
-            if name != "all" and refused:
-                raise CommandError(f"{name} controls processes (workers, broker) and cannot run --live", returncode=2)
-            chosen = [s for s in chosen if s.live]
+        chosen = list(scenarios.values()) if named is None else [scenarios[part] for part in dict.fromkeys(named)]
+        for scenario in chosen if named else []:  # a scenario asked for by name runs or says why not
+            if dialect not in scenario.dialects:
+                raise CommandError(f"{scenario.name} does not apply to the {dialect} dialect (it is written for "
+                                   f"{', '.join(scenario.dialects)})", returncode=2)
+            if options["live"] and not scenario.live:
+                raise CommandError(f"{scenario.name} controls processes (workers, broker) and cannot run --live",
+                                   returncode=2)
+        chosen = [s for s in chosen if dialect in s.dialects and (s.live or not options["live"])]
         reports = []
         run_dir = Path(settings.DATA_DIR) / "poc" / uuid.uuid4().hex[:8]
         scratch = Scratch(run_dir)
@@ -111,7 +112,7 @@ class Command(BaseCommand):
         finally:
             scratch.kill_leftovers()
             scratch.cleanup(keep=options["keep"])
-        document = reports if name == "all" else reports[0]
+        document = reports[0] if named and len(chosen) == 1 else reports
         if options["report_file"]:
             Path(options["report_file"]).write_text(json.dumps(document, indent=2))
         if options["json"]:
