@@ -81,13 +81,14 @@ QUEUE_TESTS := tests/integration/test_api_intake.py tests/integration/test_batch
 BROKER_SCENARIOS := delivery-interrupted,timeout-cancel-worker-lost,zombie-worker,cancel-race,mixed-load
 
 # The same suite against PostgreSQL + Redis where they answer on 127.0.0.1 (our machines and CI),
-# and every POC scenario there; then the queue's tests and the broker's scenarios on PostgreSQL
+# but for the tests marked `once` (the fake vendor, streams, commands: nothing the database or
+# the broker changes), and every POC scenario there; then the queue's tests and the broker's scenarios on PostgreSQL
 # with the embedded broker. The AssemblyAI dialect's scenarios run once, on SQLite: its adapter is
 # the same code on any database.
 test-distributed: install
 	@if $(PY) scripts/services_up.py; then \
 	  echo "== $$(date +%T) PostgreSQL + Redis =="; \
-	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest $(PYTEST_ARGS) && \
+	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) -m pytest -m "not once" $(PYTEST_ARGS) && \
 	  echo "== $$(date +%T) POC scenarios on PostgreSQL + Redis ==" && \
 	  DATABASE_URL=$(PG_URL) REDIS_URL=$(REDIS) $(PY) manage.py poc run all && \
 	  echo "== $$(date +%T) PostgreSQL with the embedded broker (no Redis) ==" && \

@@ -9,7 +9,7 @@ from django.conf import settings
 
 from tasks.system import database_env
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.once]
 GIB = 1024**3
 
 @pytest.mark.parametrize("mode", ["two_step", "inline"])

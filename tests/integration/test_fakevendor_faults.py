@@ -17,6 +17,8 @@ import pytest
 from fakevendor.control import ControlError
 from tests.conftest import CHANNEL_DEFAULTS, TEST_TIME_SCALE
 
+pytestmark = pytest.mark.once
+
 KEY = "dev-vendor-key"
 SCALE = TEST_TIME_SCALE
 

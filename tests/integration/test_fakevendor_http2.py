@@ -24,6 +24,8 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from tests.integration.test_fakevendor_faults import KEY, create, ledger, upload
 
+pytestmark = pytest.mark.once
+
 
 @pytest.fixture
 def h2(vendor_server):

@@ -13,6 +13,8 @@ import pytest
 from fakevendor.control import VendorControl
 from tests.conftest import TEST_TIME_SCALE
 
+pytestmark = pytest.mark.once
+
 KEY = "dev-vendor-key"
 ADMIN = "dev-admin-token"
 

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from django.conf import settings
+
+pytestmark = pytest.mark.once
 
 PROBE = ("import logging; from django_q.conf import logger; "
          "logger.info('q2-info-probe'); logger.warning('q2-warning-probe'); "

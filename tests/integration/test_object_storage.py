@@ -17,7 +17,7 @@ from tasks.models import FileVersion, Task
 from tests.conftest import TEST_TIME_SCALE, run_until
 from tests.support.flows import submit_file
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.once]
 
 BUCKET = "sluice-store"
 

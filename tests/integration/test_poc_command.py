@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.once]  # the scenarios themselves run on every setup
 MANAGE = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "poc"]
 
 
