@@ -129,9 +129,10 @@ def _pipe_name(profile: Path) -> str | None:
         return None
 
 
-def _remove_instance_files(profile: Path) -> None:
-    """An ended instance's pipes in /tmp and its profile (its temporary files inside)."""
-    engine.remove_pipes(profile, _pipe_name(profile))
+def _remove_instance_files(profile: Path, pipe: str | None = None) -> None:
+    """An ended instance's pipes in /tmp and its profile (its temporary files inside); `pipe`:
+    its accepting pipe's name when known, else the one its profile names."""
+    engine.remove_pipes(profile, pipe or _pipe_name(profile))
     shutil.rmtree(profile, ignore_errors=True)
 
 
@@ -285,7 +286,7 @@ def serve(slot: Path, pipe: str, memory_mb: int, output_mb: int, recycle_after: 
                 pass
             process.wait()
         sock.unlink(missing_ok=True)
-        _remove_instance_files(profile)
+        _remove_instance_files(profile, pipe)  # its profile may be gone already (the data removed)
 
     try:
         while office.poll() is None:

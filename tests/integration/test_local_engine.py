@@ -369,6 +369,29 @@ def test_a_killed_warm_converter_leaves_nothing_behind(tmp_path, settings):
         f"/proc/{state['soffice_pid']}/cmdline").read_bytes()
 
 
+def test_a_warm_converter_whose_files_are_removed_ends_and_leaves_nothing_in_tmp(tmp_path, settings):
+    from tasks.engine import warm
+
+    if not warm.available():
+        pytest.fail("Debian's python3-uno is missing: run `make engine` (make test and make run do).")
+    settings.ENGINE_WARM_POOL = {**settings.ENGINE_WARM_POOL, "interactive": 1}
+    slot = root() / "warm" / "interactive" / "0"
+    for lane_slot in (root() / "warm").glob("*/*"):
+        warm.kill(lane_slot)
+    left_in_tmp = _libreoffice_leftovers_in_tmp()
+    path = tmp_path / "memo.docx"
+    path.write_bytes(documents.docx("Warm memo", pages=1))
+    adapter, job_id = convert(path, "pdf", lane="interactive")
+    assert finished(adapter, job_id).status == "completed"
+    supervisor = __import__("json").loads((slot / "state.json").read_text())["supervisor_pid"]
+    shutil.rmtree(slot)  # the data directory removed under it (a POC run's scratch, an operator's wipe)
+    deadline = time.monotonic() + 10
+    while warm._alive(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not warm._alive(supervisor)
+    assert _libreoffice_leftovers_in_tmp() - left_in_tmp == set()
+
+
 @pytest.mark.parametrize("source,target,expect", [
     ("docx", "html", b"<html"), ("odt", "txt", b""), ("docx", "md", b""), ("xlsx", "html", b"<html"),
 ])
