@@ -346,7 +346,9 @@ def test_warm_converters_are_reused_then_recycled_and_end_when_idle(tmp_path, se
     assert not Path(f"/proc/{instances[2]}").exists() or b"soffice" not in Path(f"/proc/{instances[2]}/cmdline").read_bytes()
 
 
-def test_a_killed_warm_converter_leaves_nothing_behind(tmp_path, settings):
+def _one_warm_instance(tmp_path, settings) -> tuple[Path, dict, set[str]]:
+    """A single interactive warm instance that has just converted a memo: its slot, its state, and
+    what LibreOffice had left in /tmp before it started."""
     from tasks.engine import warm
 
     if not warm.available():
@@ -360,7 +362,13 @@ def test_a_killed_warm_converter_leaves_nothing_behind(tmp_path, settings):
     path.write_bytes(documents.docx("Warm memo", pages=1))
     adapter, job_id = convert(path, "pdf", lane="interactive")
     assert finished(adapter, job_id).status == "completed"
-    state = __import__("json").loads((slot / "state.json").read_text())
+    return slot, __import__("json").loads((slot / "state.json").read_text()), left_in_tmp
+
+
+def test_a_killed_warm_converter_leaves_nothing_behind(tmp_path, settings):
+    from tasks.engine import warm
+
+    slot, state, left_in_tmp = _one_warm_instance(tmp_path, settings)
     assert _libreoffice_leftovers_in_tmp() - left_in_tmp, "a running instance has its pipes in /tmp"
     warm.kill(slot)  # as a conversion that overran, or an operator's restart, does
     assert not (slot / "state.json").exists() and not list(slot.glob("profile-*")), list(slot.iterdir())
@@ -372,23 +380,12 @@ def test_a_killed_warm_converter_leaves_nothing_behind(tmp_path, settings):
 def test_a_warm_converter_whose_files_are_removed_ends_and_leaves_nothing_in_tmp(tmp_path, settings):
     from tasks.engine import warm
 
-    if not warm.available():
-        pytest.fail("Debian's python3-uno is missing: run `make engine` (make test and make run do).")
-    settings.ENGINE_WARM_POOL = {**settings.ENGINE_WARM_POOL, "interactive": 1}
-    slot = root() / "warm" / "interactive" / "0"
-    for lane_slot in (root() / "warm").glob("*/*"):
-        warm.kill(lane_slot)
-    left_in_tmp = _libreoffice_leftovers_in_tmp()
-    path = tmp_path / "memo.docx"
-    path.write_bytes(documents.docx("Warm memo", pages=1))
-    adapter, job_id = convert(path, "pdf", lane="interactive")
-    assert finished(adapter, job_id).status == "completed"
-    supervisor = __import__("json").loads((slot / "state.json").read_text())["supervisor_pid"]
+    slot, state, left_in_tmp = _one_warm_instance(tmp_path, settings)
     shutil.rmtree(slot)  # the data directory removed under it (a POC run's scratch, an operator's wipe)
     deadline = time.monotonic() + 10
-    while warm._alive(supervisor) and time.monotonic() < deadline:
+    while warm._alive(state["supervisor_pid"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not warm._alive(supervisor)
+    assert not warm._alive(state["supervisor_pid"])
     assert _libreoffice_leftovers_in_tmp() - left_in_tmp == set()
 
 
