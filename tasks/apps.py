@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.backends.signals import connection_created
 from django.db.models.signals import post_delete, post_migrate, post_save
 
 
@@ -13,6 +14,8 @@ class TasksConfig(AppConfig):
         from tasks.scheduling.quotas import quotas_forget
 
         post_migrate.connect(_ensure_defaults, sender=self)
+        post_migrate.connect(_note_trigger_current, sender=self)
+        connection_created.connect(_note_triggers_read, dispatch_uid="note-triggers-read")
         # A process's cached quotas are forgotten when it changes one (others within seconds).
         for model in (TenantQuota, QuotaOverride):
             post_save.connect(quotas_forget, sender=model, dispatch_uid=f"quotas-forget-save-{model.__name__}")
@@ -32,3 +35,32 @@ def _ensure_defaults(sender, **kwargs) -> None:
     lanes_ensure()
     channels_ensure()
     schedules_ensure()
+
+
+def _note_trigger_current(sender, using: str = "default", **kwargs) -> None:
+    """SQLite's triggers that write what a task's note carries name the columns of the rows they
+    write: written again after a migration that changed them (where the migrations made them)."""
+    from django.db import connections
+
+    from tasks import lifecycle
+
+    connection = connections[using]
+    if connection.vendor != "sqlite":
+        return
+    if not lifecycle.note_triggers_current(using):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = %s", [lifecycle.HISTORY_TRIGGER])
+            if cursor.fetchone() is not None:
+                for name, sql in lifecycle.note_triggers_sql(using).items():
+                    cursor.execute(f"DROP TRIGGER IF EXISTS {name}")
+                    cursor.execute(sql)
+    lifecycle.note_triggers_read(using)
+
+
+def _note_triggers_read(sender, connection, **kwargs) -> None:
+    """Whether the triggers are this code's is asked as the process's first connection opens, not
+    in the middle of a step (one statement a process)."""
+    if connection.vendor == "sqlite":
+        from tasks import lifecycle
+
+        lifecycle.note_triggers_read(connection.alias, unless_known=True)

@@ -123,10 +123,15 @@ class Orm(ORM):
 
     def enqueue_many(self, packages: list[str]) -> None:
         """Messages written in one statement (a batch submission's pre-checks)."""
+        insert_rows(self.message_rows(packages), using=Conf.ORM)
+
+    def message_rows(self, packages: list[str]) -> list[OrmQ]:
+        """The messages as rows (unsaved), for a caller that writes them in its transaction (a new
+        task's INSERT carries its pre-check's message on SQLite); the doorbell rings at its commit."""
         self.get_connection()
         now = timezone.now()
-        insert_rows([new_row(OrmQ, key=self._key(), payload=package, lock=now) for package in packages], using=Conf.ORM)
         self._ring()
+        return [new_row(OrmQ, key=self._key(), payload=package, lock=now) for package in packages]
 
     def _key(self) -> str:
         return self.list_key or Conf.CLUSTER_NAME

@@ -15,12 +15,13 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connections, router, transaction
-from django.db.models import F, QuerySet
+from django.db.models import F, Model, QuerySet
 from django.db.models.sql import UpdateQuery
 from django.utils import timezone
+from django_q.models import OrmQ
 
 from tasks import rows
-from tasks.models import Task, TaskEvent
+from tasks.models import Attempt, BudgetSlot, FileVersion, Task, TaskEvent, VendorCall
 from tasks.rows import insert_rows, new_row
 from tasks.states import State
 
@@ -131,18 +132,28 @@ def transition(
 
 def _update_noted(row: dict[str, Any], changes: dict[str, Any], events: list[TaskEvent], *,
                   returning: tuple[str, ...], writes: tuple[rows.Write, ...], alias: str) -> tuple[bool, tuple | None]:
-    """The compare-and-set and its history entries in one statement (SQLite, which has no
-    writable WITH): the UPDATE writes the entries into the row's `moves_note` and the trigger
-    `task_moves_recorded` copies them into the history as the row is written, so the entries
-    exist exactly when the row moved. `writes` follow, each a statement, in one transaction with it
-    (inside a caller's transaction no savepoint of its own: a failure fails the caller's)."""
-    changes["moves_note"] = _note(events, connections[alias])
-    if not writes:
-        return _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
-    with transaction.atomic(using=alias, savepoint=False):
+    """The compare-and-set, its history entries and the writes that go with it in one statement
+    (SQLite, which has no writable WITH): the UPDATE writes them into the row's `moves_note` and
+    the trigger `task_moves_recorded` writes them as the row is written, so they exist exactly
+    when the row moved. A write the trigger cannot make (`_carried`) runs after the move, a
+    statement of its own in one transaction with it (inside a caller's transaction no savepoint
+    of its own: a failure fails the caller's); a write to be made whatever came of the move is
+    made by a statement of its own when the row did not move."""
+    connection = connections[alias]
+    carried, noted, rest = _carried(writes, alias)
+    changes["moves_note"] = _note(events, connection, at=changes["updated_at"], carried=noted)
+
+    def moved_and_written() -> tuple[bool, tuple | None]:
         moved, said = _update_returning(row, changes, returning) if returning else (bool(_update(row, changes)), None)
-        _run_writes(writes, moved=moved)
-    return moved, said
+        _run_writes(rest, moved=moved)
+        if not moved:
+            _run_writes(carried, moved=False)
+        return moved, said
+
+    if not rest:
+        return moved_and_written()
+    with transaction.atomic(using=alias, savepoint=False):
+        return moved_and_written()
 
 
 # A note is never the one the row holds already (the trigger copies only a changed note), even for
@@ -150,42 +161,171 @@ def _update_noted(row: dict[str, Any], changes: dict[str, Any], events: list[Tas
 _NOTES = itertools.count()
 
 
-def _note(events: list[TaskEvent], connection: Any) -> str:
-    """`moves_note`: the entries as the history's columns hold them, and the moment they are
-    stamped with, which is the row's `updated_at` in the same write (the trigger's check: a row
-    written back whole from an older read carries an older note and a newer `updated_at`)."""
+def _note(events: list[TaskEvent], connection: Any, *, at: datetime | None, carried: dict[str, Any]) -> str:
+    """`moves_note`: the entries as the history's columns hold them, the writes the trigger makes
+    (`_carried`), and the moment they are stamped with, which is the row's `updated_at` in the
+    same write (the trigger's check: a row written back whole from an older read carries an older
+    note and a newer `updated_at`)."""
     fields = [TaskEvent._meta.get_field(name) for name in _EVENT_COLUMNS[1:]]
     entries = [[field.get_db_prep_save(getattr(event, field.attname), connection) for field in fields]
                for event in events]
-    return json.dumps({"n": next(_NOTES), "at": entries[0][-1], "e": entries}, separators=(",", ":"))
+    stamp = None if at is None else Task._meta.get_field("updated_at").get_db_prep_save(at, connection)
+    return json.dumps({"n": next(_NOTES), "at": stamp, "e": entries, **carried}, separators=(",", ":"))
+
+
+# What a move's note carries to SQLite's trigger besides its history entries: rows of these models
+# inserted, and changes to rows of these found by an equality on the first field named (the first
+# column of an index) and then by any of the others (a value, NULL, or one of a list).
+NOTED_INSERTS: tuple[type[Model], ...] = (Attempt, BudgetSlot, VendorCall)
+NOTED_CHANGES: dict[type[Model], tuple[str, ...]] = {
+    Attempt: ("task", "generation", "ended_at"),
+    BudgetSlot: ("task", "kind", "released_at"),
+    FileVersion: ("id", "precheck_state"),  # a pre-check's verdict, with the move it decides
+}
+
+
+def _carried(writes: tuple[rows.Write, ...], alias: str) -> tuple[tuple[rows.Write, ...], dict[str, Any], tuple[rows.Write, ...]]:
+    """`writes` split into those the note carries (and the note's part for them: {"i": {table:
+    rows}, "u": {table: changes}}) and the rest."""
+    carried, rest = [], []
+    noted: dict[str, dict[str, list]] = {}
+    if not _triggers_ready(alias):
+        return (), noted, writes
+    inserts = _noted_inserts()
+    for write in writes:
+        found = None
+        if router.db_for_write(write.model) != alias:
+            pass
+        elif write.rows and write.model in inserts:
+            found = write.noted(alias)
+        elif not write.rows and write.model in NOTED_CHANGES:
+            names = NOTED_CHANGES[write.model]
+            match = dict(write.match)
+            key = match.get(names[0])
+            if set(match) <= set(names) and key is not None and not isinstance(key, (list, tuple)):
+                found = write.noted(alias)
+        if found is None:
+            rest.append(write)
+            continue
+        kind, what = found
+        part = noted.setdefault(kind, {}).setdefault(write.model._meta.db_table, [])
+        part.extend(what) if kind == "i" else part.append(what)
+        carried.append(write)
+    return tuple(carried), noted, tuple(rest)
 
 
 HISTORY_TRIGGER = "task_moves_recorded"
+INSERT_TRIGGER = "task_inserted_recorded"
 
 
-def history_trigger_sql() -> str:
-    """SQLite's trigger that writes a move's history entries from the row's `moves_note` (see
-    `_update_noted`): only when the write names the note, changes it, and stamps the row with the
-    note's moment."""
+def note_triggers_sql(alias: str = "default") -> dict[str, str]:
+    """SQLite's triggers that write what a task's `moves_note` carries (its history entries and
+    the writes that go with them) as the row is written: `HISTORY_TRIGGER` for a move or an update
+    (see `_update_noted`): only when the write names the note, changes it, and stamps the row with
+    the note's moment; `INSERT_TRIGGER` for a new task (`inserted_with`): only when the note names
+    the row's own id (a row copied with another's note writes nothing). The changes first, then
+    the rows inserted: as in PostgreSQL's WITH, a change does not reach a row written with it."""
     task, event = Task._meta, TaskEvent._meta
+    quote = connections[alias].ops.quote_name
     columns = ", ".join(event.get_field(name).column for name in _EVENT_COLUMNS)
     values = ", ".join(f"json_extract(value, '$[{n}]')" for n in range(len(_EVENT_COLUMNS) - 1))
     note, stamped, pk = task.get_field("moves_note").column, task.get_field("updated_at").column, task.pk.column
-    return (f"CREATE TRIGGER {HISTORY_TRIGGER} AFTER UPDATE OF {note} ON {task.db_table} FOR EACH ROW "
-            f"WHEN NEW.{note} IS NOT NULL AND NEW.{note} IS NOT OLD.{note} AND json_extract(NEW.{note}, '$.at') = NEW.{stamped} "
-            f"BEGIN INSERT INTO {event.db_table} ({columns}) SELECT NEW.{pk}, {values} "
-            f"FROM json_each(NEW.{note}, '$.e') ORDER BY key; END")
+    statements = [f"INSERT INTO {event.db_table} ({columns}) SELECT NEW.{pk}, {values} "
+                  f"FROM json_each(NEW.{note}, '$.e') ORDER BY key"]
+    for model, names in NOTED_CHANGES.items():
+        table = model._meta.db_table
+        sets = ", ".join(f"{quote(f.column)} = CASE WHEN json_type(u.value, '$.s.{f.column}') IS NULL "
+                         f"THEN {table}.{quote(f.column)} ELSE json_extract(u.value, '$.s.{f.column}') END"
+                         for f in model._meta.concrete_fields if not f.primary_key)
+        key = model._meta.get_field(names[0]).column
+        conditions = [f"{table}.{quote(key)} = json_extract(u.value, '$.m.{key}')"]
+        for name in names[1:]:
+            column = model._meta.get_field(name).column
+            read, here = f"'$.m.{column}'", f"{table}.{quote(column)}"
+            conditions.append(
+                f"CASE COALESCE(json_type(u.value, {read}), 'absent') WHEN 'absent' THEN 1 WHEN 'null' THEN {here} IS NULL "
+                f"WHEN 'array' THEN {here} IN (SELECT value FROM json_each(u.value, {read})) "
+                f"ELSE {here} = json_extract(u.value, {read}) END")
+        statements.append(f"UPDATE {table} SET {sets} FROM json_each(NEW.{note}, '$.u.{table}') AS u "
+                          f"WHERE {' AND '.join(conditions)}")
+    for model in _noted_inserts():
+        table, fields = model._meta.db_table, rows.insert_fields(model, alias)
+        statements.append(f"INSERT INTO {table} ({', '.join(quote(f.column) for f in fields)}) "
+                          f"SELECT {', '.join(f'json_extract(value, {chr(39)}$.{f.column}{chr(39)})' for f in fields)} "
+                          f"FROM json_each(NEW.{note}, '$.i.{table}') ORDER BY key")
+    body = f"BEGIN {'; '.join(statements)}; END"
+    return {
+        HISTORY_TRIGGER: (f"CREATE TRIGGER {HISTORY_TRIGGER} AFTER UPDATE OF {note} ON {task.db_table} FOR EACH ROW "
+                          f"WHEN NEW.{note} IS NOT NULL AND NEW.{note} IS NOT OLD.{note} "
+                          f"AND json_extract(NEW.{note}, '$.at') = NEW.{stamped} {body}"),
+        INSERT_TRIGGER: (f"CREATE TRIGGER {INSERT_TRIGGER} AFTER INSERT ON {task.db_table} FOR EACH ROW "
+                         f"WHEN NEW.{note} IS NOT NULL AND json_extract(NEW.{note}, '$.id') = NEW.{pk} {body}"),
+    }
+
+
+def _noted_inserts() -> tuple[type[Model], ...]:
+    return (*NOTED_INSERTS, OrmQ)  # (the embedded broker's messages, where they share the tasks' database)
 
 
 def history_trigger_install(apps: Any, schema_editor: Any) -> None:
-    """Migration 0029: the trigger on SQLite; PostgreSQL writes the entries in the move's WITH."""
-    if schema_editor.connection.vendor == "sqlite":
-        schema_editor.execute(history_trigger_sql(), params=None)
+    """Migrations 0029 and 0030: the triggers on SQLite (as this code writes them); PostgreSQL
+    writes the entries in the move's WITH."""
+    connection = schema_editor.connection
+    if connection.vendor == "sqlite":
+        for name, sql in note_triggers_sql(connection.alias).items():
+            schema_editor.execute(f"DROP TRIGGER IF EXISTS {name}", params=None)
+            schema_editor.execute(sql, params=None)
 
 
 def history_trigger_remove(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "sqlite":
-        schema_editor.execute(f"DROP TRIGGER IF EXISTS {HISTORY_TRIGGER}", params=None)
+        for name in (HISTORY_TRIGGER, INSERT_TRIGGER):
+            schema_editor.execute(f"DROP TRIGGER IF EXISTS {name}", params=None)
+
+
+def note_triggers_current(using: str = "default") -> bool:
+    """Whether the database's triggers are the ones this code writes (a model whose columns
+    changed without its triggers written again would have its rows written without them)."""
+    connection = connections[using]
+    if connection.vendor != "sqlite":
+        return True
+    wanted = note_triggers_sql(using)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name IN ({', '.join(['%s'] * len(wanted))})",
+                       list(wanted))
+        return dict(cursor.fetchall()) == wanted
+
+
+_READY: dict[str, bool] = {}
+
+
+def _triggers_ready(alias: str) -> bool:
+    """Whether the database's triggers write what this code's notes carry, asked once a process
+    (code deployed before its migration ran: the writes are made by statements of their own)."""
+    return note_triggers_read(alias, unless_known=True)
+
+
+def note_triggers_read(alias: str, *, unless_known: bool = False) -> bool:
+    """Ask the database whether its triggers are this code's (again, unless `unless_known`), and
+    keep the answer for this process (asked as a connection opens and after `migrate`)."""
+    if not unless_known or alias not in _READY:
+        _READY[alias] = note_triggers_current(alias)
+    return _READY[alias]
+
+
+def inserted_with(task: Task, events: list[TaskEvent], writes: tuple[rows.Write, ...] = ()) -> tuple[rows.Write, ...]:
+    """SQLite: the new `task`'s INSERT carries its first history entries and `writes` in its note
+    (`INSERT_TRIGGER` writes them as the row is written); the writes it cannot carry are returned,
+    for the caller to write in its transaction after the task. Elsewhere, or where the database's
+    triggers are not this code's, nothing is carried (the entries are returned as a write too)."""
+    alias = router.db_for_write(Task)
+    connection = connections[alias]
+    if connection.vendor != "sqlite" or not _triggers_ready(alias):
+        return (rows.Write.insert(events), *writes) if events else writes
+    _, noted, rest = _carried(writes, alias)
+    pk = Task._meta.pk.get_db_prep_value(task.pk, connection)
+    task.moves_note = _note(events, connection, at=None, carried={"id": pk, **noted})
+    return rest
 
 
 def _run_writes(writes: tuple[rows.Write, ...], *, moved: bool) -> None:
@@ -306,14 +446,14 @@ def task_update(task_id: Any, *, state: State | str, generation: int, expect: di
                 writes: tuple[rows.Write, ...] = (), **fields: Any) -> bool:
     """Write non-state columns only if the task is still at (state, generation) and, with
     `expect`, those columns still hold what the caller read. `writes` (`rows.Write`) go with the
-    update: in its statement on PostgreSQL; on SQLite each a statement after it, in the caller's
-    transaction if it has one (without one, a process that dies between them leaves the write
-    undone, as two statements in a row would)."""
+    update: in its statement (PostgreSQL's WITH, SQLite's note), or as `transition`'s."""
     if _PROTECTED & fields.keys():
         raise IllegalTransition("use transition() to change state or generation")
     fields["updated_at"] = timezone.now()
     conditions = _cas_conditions(task_id, state, generation, expect)
     alias = router.db_for_write(Task)
+    if writes and connections[alias].vendor == "sqlite":  # the writes in the update's note
+        return _update_noted(conditions, fields, [], returning=(), writes=writes, alias=alias)[0]
     if writes and connections[alias].vendor == "postgresql":
         built = _built(conditions, fields, returning=f"t.{connections[alias].ops.quote_name(Task._meta.pk.column)}")
         if built is not None:

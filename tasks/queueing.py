@@ -12,12 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import router, transaction
 from django_q.brokers import Broker, get_broker
 from django_q.tasks import async_task
 
 from tasks import costs
-from tasks.models import Lane
+from tasks.models import Lane, Task
 from tasks.observability import log_event
 
 _brokers: dict[tuple[int, str], Broker] = {}
@@ -176,6 +176,37 @@ def send_steps_on_commit(step: str, tasks: list[tuple[Any, int, str | None]]) ->
         transaction.on_commit(lambda: _send_many_or_leave_to_dispatcher(step, tasks))
     else:
         _send_many_or_leave_to_dispatcher(step, tasks)
+
+
+def step_rows(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any] | None:
+    """The embedded broker's messages for each (task id, generation, lane), in `tasks`' order, as
+    rows the caller writes in its transaction (as `send_steps_on_commit` would write them there,
+    their doorbells rung at its commit); None where messages are not rows of the caller's
+    transaction in the tasks' own database (Redis, django-q2's sync mode, another database):
+    the caller sends them with `send_steps_on_commit`."""
+    from django_q.models import OrmQ
+
+    from tasks.brokers import Orm
+
+    if not tasks or not _written_with_the_transaction() or router.db_for_write(OrmQ) != router.db_for_write(Task):
+        return None
+    clusters = {lane or control_cluster() for _, _, lane in tasks}
+    if not all(isinstance(_broker(cluster), Orm) for cluster in clusters):
+        return None
+    by_cluster: dict[str, list[int]] = {}
+    for n, (_, _, lane) in enumerate(tasks):
+        by_cluster.setdefault(lane or control_cluster(), []).append(n)
+    found: list[Any] = [None] * len(tasks)
+    for cluster, indexes in by_cluster.items():
+        broker = _broker(cluster)
+        collected = _Collected(broker.list_key)
+        for n in indexes:
+            func, args, name, timeout = _step_message(step, *tasks[n])
+            _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
+            costs.count("queue_messages")
+        for n, row in zip(indexes, broker.message_rows(collected.packages), strict=True):
+            found[n] = row
+    return found
 
 
 def _send_many(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any]:

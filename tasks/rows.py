@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -333,6 +334,44 @@ def select(model: type[Model], where: str, params: list[tuple[str | None, Any]],
     with guard, connection.cursor() as cursor:
         cursor.execute(f"{head}SELECT {columns} FROM {tables} {join} WHERE {where}", prepared)
         found = cursor.fetchall()
+    return _assembled(shape, found, list(extra), alias, connection)
+
+
+def update_read(model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]], *,
+                related: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> list[Model]:
+    """The rows `UPDATE … SET changes WHERE where` changed, read as `select` reads them (with
+    `related` and `extra`), from the UPDATE's own RETURNING: one statement. For SQLite, whose
+    RETURNING cannot join (PostgreSQL reads an UPDATE's rows with `select(over=…)`): each column
+    of a related row is a subquery by its key, each of `extra` a subquery over the row and its
+    joins. Changes `update_sql` leaves to the ORM are refused (ValueError)."""
+    alias = router.db_for_write(model)
+    connection = connections[alias]
+    quote = connection.ops.quote_name
+    shape = _select(model, alias, None, related, connection)
+    table, pk = quote(model._meta.db_table), quote(model._meta.pk.column)
+    read = [f"{table}.{quote(f.column)}" for f in model._meta.concrete_fields]
+    for name in related:
+        via = model._meta.get_field(name)
+        target = via.related_model
+        if isinstance(via, ForeignObjectRel):
+            match = f"r.{quote(via.field.column)} = {table}.{quote(via.field.target_field.column)}"
+        else:
+            match = f"r.{quote(via.target_field.column)} = {table}.{quote(via.column)}"
+        read += [f"(SELECT r.{quote(f.column)} FROM {quote(target._meta.db_table)} r WHERE {match})"
+                 for f in target._meta.concrete_fields]
+    extra = extra or {}
+    read += [f"(SELECT ({sql}) FROM {shape.tables} WHERE t.{pk} = {table}.{pk})" for sql in extra.values()]
+    built = update_sql(model, changes, where, params, returning=", ".join(read))
+    if built is None:
+        raise ValueError(f"rows.update_read cannot build this change of {model.__name__} ({', '.join(changes)})")
+    with transaction.mark_for_rollback_on_error(using=alias), connection.cursor() as cursor:
+        cursor.execute(*built)
+        found = cursor.fetchall()
+    return _assembled(shape, found, list(extra), alias, connection)
+
+
+def _assembled(shape: _Shape, found: list, extra: list[str], alias: str, connection: Any) -> list[Model]:
+    """Model instances (with their related rows and `extra` values) from rows of `shape`'s columns."""
     rows = []
     for values in found:
         values = list(values)
@@ -505,19 +544,27 @@ def update(model: type[Model], changes: dict[str, Any], where: str, params: list
         return cursor.rowcount
 
 
+# The values a note carries as they are (JSON's own types, a choice's value among them; SQLite's
+# json_extract gives them back as the INSERT's parameters would be written). Any other value
+# (bytes, a number JSON cannot write) is written by a statement.
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int)) or (isinstance(value, float) and math.isfinite(value))
+
+
 @dataclass(frozen=True)
 class Write:
     """A write that commits with a task's move (`lifecycle.transition(writes=…)` and its kin):
-    `rows` inserted, or `changes` made to the rows of `model` matching `where` (as `update` takes
-    them); only if the task moved (`if_moved`), or whatever came of the move. On PostgreSQL it is
-    part of the move's own statement (a data-modifying WITH over the moved row, `moved`); on SQLite
-    it runs after the move, in its transaction. Either way it commits exactly with the move."""
+    `rows` inserted, or `changes` made to the rows of `model` that `match` (field → value, None
+    for NULL, a list for any of its values; as `matching` takes them); only if the task moved
+    (`if_moved`), or whatever came of the move. On PostgreSQL it is part of the move's own
+    statement (a data-modifying WITH over the moved row, `moved`); on SQLite it is carried in the
+    move's note and written by the trigger as the row is (`noted`), or, a write the trigger cannot
+    make, runs after the move in its transaction. Either way it commits exactly with the move."""
 
     model: type[Model]
     rows: tuple[Model, ...] = ()
     changes: dict[str, Any] | None = None
-    where: str = ""
-    params: tuple[tuple[str | None, Any], ...] = ()
+    match: tuple[tuple[str, Any], ...] = ()
     if_moved: bool = True
 
     @classmethod
@@ -525,24 +572,69 @@ class Write:
         return cls(type(objs[0]), rows=tuple(objs), if_moved=if_moved)
 
     @classmethod
-    def change(cls, model: type[Model], changes: dict[str, Any], where: str, params: list[tuple[str | None, Any]],
-               *, if_moved: bool = True) -> Write:
-        return cls(model, changes=changes, where=where, params=tuple(params), if_moved=if_moved)
+    def change(cls, model: type[Model], changes: dict[str, Any], match: dict[str, Any], *, if_moved: bool = True) -> Write:
+        return cls(model, changes=changes, match=tuple(match.items()), if_moved=if_moved)
 
-    def run(self) -> None:
-        """The write as a statement of its own (SQLite: after the move, in its transaction)."""
+    def where(self) -> tuple[str, list[tuple[str | None, Any]]]:
+        """The change's condition as `update` takes it."""
+        built = matching(self.model, dict(self.match))
+        if built is None:
+            raise ValueError(f"a write's match must be fields' values ({self.model.__name__})")
+        return built
+
+    def run(self) -> int:
+        """The write as a statement of its own (SQLite: after the move, in its transaction): the
+        rows it changed (inserted rows: 0)."""
         if self.rows:
             insert_rows(list(self.rows))
-        else:
-            update(self.model, dict(self.changes or {}), self.where, list(self.params))
+            return 0
+        return update(self.model, dict(self.changes or {}), *self.where())
+
+    def noted(self, alias: str) -> tuple[str, Any] | None:
+        """The write as a move's note carries it to SQLite's trigger (`lifecycle`): ("i", each
+        row as {column: value as its INSERT writes it}) or ("u", {"s": {column: value}, "m":
+        {column: value, None or a list}}); None for what only a statement of its own can write
+        (an expression among the values)."""
+        connection = connections[alias]
+        if self.rows:
+            fields, _ = _columns(self.model, alias, connection)
+            values = None if fields is None else _values(list(self.rows), alias, connection, fields)
+            if values is None:
+                return None
+            for obj in self.rows:
+                obj._state.adding, obj._state.db = False, alias
+            if not all(_plain(value) for row in values for value in row):
+                return None
+            columns = [f.column for f in fields]
+            return "i", [dict(zip(columns, row, strict=True)) for row in values]
+        sets: dict[str, Any] = {}
+        for name, value in (self.changes or {}).items():
+            field = _field(self.model, name)
+            if hasattr(value, "resolve_expression") or hasattr(field, "get_placeholder"):
+                return None
+            if isinstance(value, Model):
+                value = value.prepare_database_save(field)
+            sets[field.column] = field.get_db_prep_save(value, connection)
+        matched: dict[str, Any] = {}
+        for name, value in self.match:
+            field = _field(self.model, name)
+            if isinstance(value, Model):
+                value = value.prepare_database_save(field)
+            if isinstance(value, (list, tuple)):
+                matched[field.column] = [field.get_db_prep_value(v, connection) for v in value]
+            else:
+                matched[field.column] = None if value is None else field.get_db_prep_value(value, connection)
+        plain = [*sets.values(), *(v for value in matched.values() for v in (value if isinstance(value, list) else [value]))]
+        return ("u", {"s": sets, "m": matched}) if all(_plain(value) for value in plain) else None
 
     def over_moved(self) -> tuple[str, list[Any]]:
         """The write as a statement of a data-modifying WITH beside `moved` (PostgreSQL): with
         `if_moved`, it writes nothing when `moved` has no row."""
         moved = "EXISTS (SELECT 1 FROM moved)"
         if not self.rows:
-            where = f"({self.where}) AND {moved}" if self.if_moved else self.where
-            built = update_sql(self.model, dict(self.changes or {}), where, list(self.params))
+            where, params = self.where()
+            where = f"({where}) AND {moved}" if self.if_moved else where
+            built = update_sql(self.model, dict(self.changes or {}), where, params)
             if built is None:
                 raise ValueError(f"a write with a move cannot change {self.model.__name__} ({', '.join(self.changes or {})})")
             return built
@@ -564,8 +656,16 @@ class Write:
                 f"{condition}"), values
 
 
+def insert_fields(model: type[Model], alias: str) -> list:
+    """The fields an INSERT of `model` writes, in its order (what `Write.noted` writes a row as)."""
+    fields, _ = _columns(model, alias, connections[alias])
+    if fields is None:
+        raise ValueError(f"{model.__name__} has columns an INSERT built here does not write")
+    return fields
+
+
 def matching(model: type[Model], conditions: dict[str, Any]) -> tuple[str, list[tuple[str | None, Any]]] | None:
-    """`t.<column> = %s AND …` for field values (`IS NULL` for None), with their parameters;
+    """`t.<column> = %s AND …` for field values (`IS NULL` for None, `IN (…)` for a list), with their parameters;
     None when a condition is a lookup (`name__isnull`) or an expression (left to the ORM)."""
     quote = connections[router.db_for_read(model)].ops.quote_name
     parts, params = [], []
@@ -576,6 +676,10 @@ def matching(model: type[Model], conditions: dict[str, Any]) -> tuple[str, list[
         column = f"t.{quote(field.column)}"
         if value is None:
             parts.append(f"{column} IS NULL")
+            continue
+        if isinstance(value, (list, tuple)):  # any of these values
+            parts.append(f"{column} IN ({', '.join(['%s'] * len(value))})")
+            params += [(name, item) for item in value]
             continue
         if isinstance(value, Model):
             if not field.remote_field:

@@ -17,7 +17,7 @@ from django.db import connections, router
 from django.utils import timezone
 
 from tasks.models import BudgetSlot, Task, VendorChannel, VendorJob
-from tasks.rows import Write, json_rows, json_rows_sql, new_row, update
+from tasks.rows import Write, json_rows, json_rows_sql, new_row
 from tasks.states import State
 
 JOB, UPLOAD = BudgetSlot.Kind.JOB, BudgetSlot.Kind.UPLOAD
@@ -163,8 +163,7 @@ def slots_reserved(task: Task, channel: VendorChannel) -> Write:
 
 def slots_release(task_id, *kinds: str, reason: str, hold_s: float = 0.0) -> int:
     """Release the task's open slots now, or `hold_s` real seconds from now."""
-    released = slots_released(task_id, *kinds, reason=reason, hold_s=hold_s)
-    return update(released.model, dict(released.changes or {}), released.where, list(released.params))
+    return slots_released(task_id, *kinds, reason=reason, hold_s=hold_s).run()
 
 
 def slots_released(task_id, *kinds: str, reason: str, hold_s: float = 0.0, if_moved: bool = True) -> Write:
@@ -173,8 +172,7 @@ def slots_released(task_id, *kinds: str, reason: str, hold_s: float = 0.0, if_mo
     kinds = kinds or (JOB, UPLOAD)
     return Write.change(
         BudgetSlot, {"released_at": timezone.now() + timedelta(seconds=hold_s), "release_reason": reason[:100]},
-        f"t.task_id = %s AND t.kind IN ({', '.join(['%s'] * len(kinds))}) AND t.released_at IS NULL",
-        [("task", task_id), *(("kind", kind) for kind in kinds)], if_moved=if_moved)  # every step's end releases some
+        {"task": task_id, "kind": list(kinds), "released_at": None}, if_moved=if_moved)  # every step's end releases some
 
 
 def vendor_job_terminal(job: VendorJob, status: str) -> bool:

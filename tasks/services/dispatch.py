@@ -498,7 +498,7 @@ class Arrival:
 
 
 def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | None, actor: str,
-                          data: dict[str, Any], starting_here: bool = False) -> Arrival:
+                          data: dict[str, Any], starting_here: bool = False, writes: tuple[Write, ...] = ()) -> Arrival:
     """Move a pre-checked task ACCEPTED → QUEUED in its lane, under the admission lock, and admit
     it in the same move when nothing else waits there and a slot, its tenant's running quota and
     a channel have room (incremental admission: a pass over the lane would pick it, and reads the
@@ -508,7 +508,8 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
     `starting_here`: the calling worker runs the lane's steps, so an admitted task is also claimed
     for it in the same move (QUEUED, then RUNNING, each recorded) and no start message is sent.
     The in-memory `task` is left as the move wrote it (its lane, channel, operation and claim), so
-    that the worker need not read it again."""
+    that the worker need not read it again. `writes`: what commits with the task's move or update
+    here (its file's verdict), whatever came of it as each says (`rows.Write.if_moved`)."""
     with dispatch_lock():
         now = timezone.now()
         lane, standing, rooms = lane_with_slots_and_rooms(lane_name)
@@ -516,7 +517,8 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
         waiting = sum(queued for _, queued in standing.values())
         if task.deferred or waiting >= lane.max_queued:
             task_update(task.pk, state=S.ACCEPTED, generation=task.generation, lane=lane, deferred=True,
-                        estimated_units=estimated_units, due_at=None, lease_owner="", lease_expires_at=None)
+                        estimated_units=estimated_units, due_at=None, lease_owner="", lease_expires_at=None,
+                        writes=writes)
             return Arrival("deferred", lane, standing)
         task.lane = lane
         room = None
@@ -531,7 +533,7 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
             lane=lane, queued_at=now, estimated_units=estimated_units, due_at=None, lease_owner="",
             lease_expires_at=None, waiting_reason="", queue_deadline_at=queue_deadline_at,
             dispatch_deadline_at=min(task.deadline_at, queue_deadline_at))
-        claimed, then, writes = {}, [], ()
+        claimed, then = {}, []
         if room is not None:
             fields.update(_dispatch_fields(task, room, now))
             if starting_here:
@@ -539,7 +541,7 @@ def task_queue_on_arrival(task: Task, lane_name: str, *, estimated_units: int | 
                 claimed, hop = claim(task, now)
                 then = [hop]
             # Its slots (and, claimed, its attempt) are written with the move.
-            writes = (slots_reserved(task, room.channel),)
+            writes += (slots_reserved(task, room.channel),)
             if claimed:
                 writes += (Write.insert([claim_attempt(task, task.generation + 2, claimed, now)]),)
         moved = lifecycle.transition(task.pk, source=S.ACCEPTED, target=S.QUEUED, generation=task.generation,

@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 from django.utils import timezone
 
-from tasks import counters, filetypes, locks, timescale
+from tasks import counters, filetypes, lifecycle, locks, timescale
 from tasks.errors import (
     BacklogFull,
     FileNotFound,
@@ -36,8 +36,17 @@ from tasks.groupcommit import GroupCommit
 from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
-from tasks.queueing import send_steps_on_commit
-from tasks.rows import insert_together, json_rows, json_rows_sql, moment, new_row, select
+from tasks.queueing import send_steps_on_commit, step_rows
+from tasks.rows import (
+    Write,
+    insert_rows,
+    insert_together,
+    json_rows,
+    json_rows_sql,
+    moment,
+    new_row,
+    select,
+)
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING
 from tasks.scheduling.quotas import EffectiveQuota, QuotaUsage, counts_submissions, quota_effective
@@ -48,7 +57,7 @@ from tasks.services.outcomes import task_move
 from tasks.services.quarantine import (
     content_entries,
     content_has_entries,
-    file_precheck,
+    file_precheck_with,
     poison_binding,
     released_from_poison,
 )
@@ -356,14 +365,16 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
                     tentative = False
             else:
                 decided = decide(first, now)
-            _write(decided)
+            steps = [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted]
+            carried = _write(decided, steps)
             if tentative and decided.accepted:
                 locks.hold(*held)
                 if not _Lanes(lane_names).still_open([task for _, task, _ in decided.accepted], now):
                     raise _Stale()
             # Pre-checks run on the workers of the task's provisional lane: a batch flood's
             # pre-checks never queue in front of an interactive task's.
-            send_steps_on_commit("precheck", [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted])
+            if not carried:
+                send_steps_on_commit("precheck", steps)
             return decided
 
     try:
@@ -432,17 +443,28 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
     return _Decided(outcomes=outcomes, accepted=accepted, replayed=replayed, expired=expired)
 
 
-def _write(decided: _Decided) -> None:
+def _write(decided: _Decided, steps: list[tuple[Any, int, str | None]]) -> bool:
     """The accepted submissions' rows: the tasks (with their keys) and their first history
-    entries; a key past its time is forgotten by the task that held it first (as the prune does)."""
+    entries; a key past its time is forgotten by the task that held it first (as the prune does).
+    On SQLite each task's INSERT also carries its entry and, with the embedded broker, its
+    pre-check's message (`steps`, in the accepted's order) in its note: whether it did so."""
     accepted = decided.accepted
     if decided.expired:
         forget_keys(decided.expired)
     # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
     # the order every other writer uses (tasks/counters.py).
-    # (In one statement on PostgreSQL.)
-    insert_together(sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or ""),
-                    [event for _, _, event in accepted])
+    tasks = sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or "")
+    if connections[router.db_for_write(Task)].vendor != "sqlite":
+        insert_together(tasks, [event for _, _, event in accepted])  # (in one statement on PostgreSQL)
+        return False
+    messages = step_rows("precheck", steps)
+    rest: list[Write] = []
+    for n, (_, task, event) in enumerate(accepted):
+        rest += lifecycle.inserted_with(task, [event], (Write.insert([messages[n]]),) if messages else ())
+    insert_rows(tasks)
+    for write in rest:
+        write.run()
+    return messages is not None
 
 
 # An Idempotency-Key is kept this long (nominal seconds) from its task's acceptance, and never
@@ -673,8 +695,11 @@ def task_precheck_and_route_here(task_id: Any, generation: int, *, worker_lane: 
         return Routed("busy")
     file = task.file
     entries = content_entries(task.tenant_id, file.sha256) if bool(task.has_entries) else []
+    # A passing verdict is recorded with the move it decides (in its statement), whatever came of it.
+    recorded: tuple[Write, ...] = ()
     if file.precheck_state == FileVersion.Precheck.PENDING:
-        file = file_precheck(file=file, entries=entries)
+        file, verdict = file_precheck_with(file=file, entries=entries)
+        recorded = (verdict,) if verdict is not None else ()
     findings = file.precheck_findings or {}
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
         task_move(
@@ -692,6 +717,7 @@ def task_precheck_and_route_here(task_id: Any, generation: int, *, worker_lane: 
             fields=dict(error_code="input_mismatch",
                         error_message=f"the file is {family}; {task.kind} needs {' or '.join(sorted(filetypes.INPUT_FAMILIES[task.kind]))}",
                         lease_owner="", lease_expires_at=None),
+            writes=recorded,
         )
         return Routed("input_mismatch")
     # Content let out of quarantine (by an operator, or lifted after an engine upgrade) runs in
@@ -701,7 +727,8 @@ def task_precheck_and_route_here(task_id: Any, generation: int, *, worker_lane: 
     here = lane_name == worker_lane
     arrival = task_queue_on_arrival(
         task, lane_name, estimated_units=_estimated_units(task.kind, findings), actor="precheck", starting_here=here,
-        data={"lane": lane_name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")})
+        data={"lane": lane_name, "pages": findings.get("pages"), "audio_minutes": findings.get("audio_minutes")},
+        writes=recorded)
     if arrival.outcome == "dispatched":
         return Routed("queued_here", task) if here else Routed("queued")
     if arrival.outcome != "queued":

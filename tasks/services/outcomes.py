@@ -84,11 +84,13 @@ def task_move(
     attempt_fields: dict[str, Any] | None = None,
     dead_letter_class: str | None = None,
     expect: dict[str, Any] | None = None,
+    writes: tuple[Write, ...] = (),
 ) -> lifecycle.Moved | None:
     """Move the task (lifecycle.transition) with what must commit with the move: the running
     attempt's end (`attempt_outcome`, and `attempt_fields` it learnt and has not written yet), a
     terminal move's slot release and notification, a dead letter. `expect`: columns that must
-    still hold what the caller read for the task to move."""
+    still hold what the caller read for the task to move. `writes`: more that commits with the
+    move (`lifecycle.transition`'s)."""
     target = State(target)
     fields = dict(fields or {})
     now = timezone.now()
@@ -102,8 +104,7 @@ def task_move(
     ended = (Write.change(Attempt, {**(attempt_fields or {}), "ended_at": now, "outcome": attempt_outcome,
                                     "error_code": (fields.get("error_code") or "")[:64],
                                     "error_class": (data or {}).get("error_class", "")[:32]},
-                          "t.task_id = %s AND t.generation = %s AND t.ended_at IS NULL",
-                          [("task", task_id), ("generation", generation)]),) if attempt_outcome else ()
+                          {"task": task_id, "generation": generation, "ended_at": None}),) if attempt_outcome else ()
     # A task's last move outside any caller's transaction also writes the vendor calls its step
     # made so far (in its statement on PostgreSQL; the step's end wrote them one statement later),
     # whatever came of the move; they are written later if it fails.
@@ -111,7 +112,7 @@ def task_move(
     logged = (Write.insert(calls, if_moved=False),) if calls else ()
     try:
         moved = _moved(task_id, source=source, target=target, generation=generation, actor=actor, reason=reason,
-                       fields=fields, data=data, writes=ended + logged, dead_letter_class=dead_letter_class,
+                       fields=fields, data=data, writes=ended + logged + writes, dead_letter_class=dead_letter_class,
                        expect=expect)
     except BaseException:
         _put_back(calls)

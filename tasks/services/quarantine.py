@@ -17,7 +17,7 @@ from tasks.models import AuditEntry, FileVersion, Quarantine, Task
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
 from tasks.precheck.sandbox import run_precheck
-from tasks.rows import update
+from tasks.rows import Write
 from tasks.services.replay import task_replay
 from tasks.states import State
 from tasks.storage import delete_stored, local_copy
@@ -51,17 +51,34 @@ def released_from_poison(entries: list[dict[str, Any]]) -> bool:
 def file_precheck(*, file: FileVersion, entries: list[dict[str, Any]] | None = None) -> FileVersion:
     """Run the sandboxed pre-check once per file version and record what it found. `entries`:
     the content's quarantine entries as `content_entries` read them (read here if not given)."""
+    file, recorded = file_precheck_with(file=file, entries=entries)
+    if recorded is not None:
+        recorded.run()
+    return file
+
+
+def file_precheck_with(*, file: FileVersion, entries: list[dict[str, Any]] | None = None) -> tuple[FileVersion, Write | None]:
+    """file_precheck, a file that passes recorded by the write returned (the verdict, unless
+    another worker's came first), for the caller to make with the move the verdict decides (in its
+    statement: `lifecycle.transition(writes=…)`) whatever came of that move; the file is as the
+    verdict left it. A quarantined file's verdict is recorded here (None returned)."""
     with local_copy(file.storage_name) as source:
         result = run_precheck(source, file.extension)
     state = FileVersion.Precheck.PASSED if result.verdict == "pass" else FileVersion.Precheck.QUARANTINED
     verdict = dict(precheck_state=state, precheck_findings=result.findings,
                    precheck_version=result.findings.get("detector_version", DETECTOR_VERSION), prechecked_at=timezone.now())
-    if update(FileVersion, verdict, "t.id = %s AND t.precheck_state = %s",
-              [("id", file.pk), ("precheck_state", FileVersion.Precheck.PENDING)]):
+    recorded = Write.change(FileVersion, verdict, {"id": file.pk, "precheck_state": FileVersion.Precheck.PENDING},
+                            if_moved=False)
+    if state == FileVersion.Precheck.PASSED:
         for name, value in verdict.items():
             setattr(file, name, value)
+    elif recorded.run():
+        for name, value in verdict.items():
+            setattr(file, name, value)
+        recorded = None
     else:
         file.refresh_from_db()  # another worker's pre-check of this file came first: its verdict holds
+        recorded = None
     if file.precheck_state == FileVersion.Precheck.QUARANTINED:
         quarantine_add(file=file, reason=result.reason or "corrupt_file", findings=result.findings)
     else:
@@ -76,7 +93,7 @@ def file_precheck(*, file: FileVersion, entries: list[dict[str, Any]] | None = N
                 released_at=timezone.now(), released_by=f"re-evaluated by {file.precheck_version}"[:150],
             )
     log_event("precheck", file_id=file.pk, decision=result.verdict, reason=result.reason)
-    return file
+    return file, recorded
 
 
 def quarantine_add(*, file: FileVersion, reason: str, findings: dict[str, Any], converter_version: str = "") -> Quarantine:

@@ -128,7 +128,8 @@ def _redis_pushes() -> int:
 
 def test_a_batch_sends_each_accepted_task_one_precheck_message_on_its_lane(api, vendor):
     """Every accepted item's pre-check is triggered once, on the workers of its lane; with the
-    embedded broker a lane's messages are written in one statement with the tasks."""
+    embedded broker a lane's messages are written in one statement with the tasks (on SQLite in
+    the tasks' own)."""
     from django.conf import settings
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
@@ -154,7 +155,8 @@ def test_a_batch_sends_each_accepted_task_one_precheck_message_on_its_lane(api, 
         payloads = {lane: get_broker(lane).connection.lrange(get_broker(lane).list_key, before[lane], -1) for lane in tasks}
     else:
         inserts = [q["sql"] for q in statements.captured_queries if q["sql"].startswith('INSERT INTO "django_q_ormq"')]
-        assert len(inserts) == 2, inserts
+        # SQLite: each task's INSERT carries its message (the note's trigger writes it); else one a lane.
+        assert len(inserts) == (0 if connection.vendor == "sqlite" else 2), inserts
         payloads = {lane: OrmQ.objects.filter(key=get_broker(lane).list_key).values_list("payload", flat=True)
                     for lane in tasks}
     for lane, ids in tasks.items():

@@ -190,14 +190,14 @@ def test_a_pre_check_reads_its_lane_load_once_and_its_content_quarantine_entries
     # The lane with its load is read once, in the statement that reads the channels' room.
     assert kinds["SELECT tasks_lanetenantload"] == 0 and kinds["SELECT tasks_lane"] == 0, kinds
     assert kinds["SELECT tasks_vendorchannel"] == 1, kinds
-    # Its read and its lease (on PostgreSQL one statement: the lease's UPDATE read back as the
-    # task), and its move (on PostgreSQL one statement with its history entry).
+    # Its read and its lease in one statement (the lease's UPDATE read back as the task), and its
+    # move in one statement with its history entry.
     if connection.vendor == "postgresql":
         assert kinds["WITH SELECT claimed"] == 1 and kinds["SELECT tasks_task"] == 0, kinds
         assert kinds["UPDATE tasks_task"] == 0 and kinds["WITH INSERT INTO tasks_taskevent"] == 1, kinds
     else:
-        assert kinds["SELECT tasks_task"] == 1, kinds
-        assert kinds["UPDATE tasks_task"] == 2, kinds
+        assert kinds["SELECT tasks_task"] == 0, kinds
+        assert kinds["UPDATE tasks_task"] == 2 and kinds["INSERT INTO tasks_taskevent"] == 0, kinds
     # On a worker of the lane it is admitted into, the same move also claims it for that worker
     # (QUEUED, then RUNNING, each recorded), with its attempt, and hands it over as written.
     from tasks.models import Attempt, TaskEvent
@@ -381,3 +381,36 @@ def test_a_pre_check_claims_its_task_once_and_leaves_a_moved_or_held_one_alone(a
     # A lease run out is claimed again.
     Task.objects.filter(pk=task.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
     assert task_precheck_and_route(task.pk, task.generation) == "queued"
+
+
+def test_a_pre_checks_claim_is_one_statement_that_reads_what_a_read_of_its_own_reads(api):
+    """On both databases the claim's UPDATE returns the task with its related rows and extras
+    (SQLite: each a subquery of its RETURNING), every field as `rows.select` reads it."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from tasks.rows import select
+    from tasks.services.execution.lease import Lease
+    from tasks.services.quarantine import content_has_entries
+
+    task = Task.objects.get(pk=submit_file(api))
+    related, extra = ("file", "lane", "tenant"), {"has_entries": content_has_entries()}
+    with CaptureQueriesContext(connection) as captured:
+        claimed, lease = Lease.claim_read(task.pk, "ACCEPTED", task.generation, related=related, extra=extra)
+    assert lease is not None and len(captured.captured_queries) == 1, captured.captured_queries
+    read = select(Task, "t.id = %s", [("id", task.pk)], related=related, extra=extra)[0]
+
+    def fields(obj):
+        return {f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields}
+
+    assert fields(claimed) == fields(read)
+    for name in related:
+        assert fields(getattr(claimed, name)) == fields(getattr(read, name)), name
+    assert bool(claimed.has_entries) is bool(read.has_entries) is False
+    # The extra is the claimed task's own: another task of content with entries says so.
+    other = Task.objects.get(pk=submit_file(api, files.wav(marker=b"other")))
+    Quarantine.objects.create(tenant=other.tenant, file=other.file, sha256=other.file.sha256,
+                              reason=Quarantine.Reason.POISON, detector_version="test", expires_at=timezone.now())
+    claimed, lease = Lease.claim_read(other.pk, "ACCEPTED", other.generation, related=related, extra=extra)
+    assert lease is not None and claimed.pk == other.pk and bool(claimed.has_entries) is True

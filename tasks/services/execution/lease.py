@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from tasks import timescale
 from tasks.models import Attempt, Task
-from tasks.rows import select, update, update_sql
+from tasks.rows import select, update, update_read, update_sql
 from tasks.states import State
 from tasks.vendors.errors import StopUpload
 
@@ -69,27 +69,21 @@ class Lease:
                    extra: dict[str, str] | None = None) -> tuple[Task | None, Lease | None]:
         """Claim the step of the task at (state, generation) and read the task (with `related`
         and `extra` as `rows.select` reads them): (None, None) when it is not there any more,
-        (the task, None) when another step holds its lease. On PostgreSQL one statement, the
-        claim's UPDATE read back as the task (a read of its own only when nothing was claimed);
-        elsewhere the read, then the claim."""
+        (the task, None) when another step holds its lease. One statement, the claim's UPDATE
+        read back as the task (a read of its own only when nothing was claimed)."""
         def read() -> Task | None:  # the task if it is still at (state, generation)
             task = next(iter(select(Task, "t.id = %s", [("id", task_id)], related=related, extra=extra)), None)
             return task if task is not None and task.state == state and task.generation == generation else None
 
-        if connections[router.db_for_write(Task)].vendor != "postgresql":
-            task = read()
-            if task is None:
-                return None, None
-            lease = cls.claim(task)
-            if lease is not None:  # the task as the claim left it, as PostgreSQL's statement reads it
-                task.lease_owner, task.lease_expires_at = lease.owner, lease.expires_at
-            return task, lease
         now = timezone.now()
         owner = worker_id()
-        built = update_sql(Task, {"lease_owner": owner, "lease_expires_at": now + timedelta(seconds=lease_seconds())},
-                           CLAIMABLE, [("id", task_id), ("state", state), ("generation", generation),
-                                       ("lease_expires_at", now)], returning="t.*")
-        claimed = select(Task, "TRUE", [], related=related, extra=extra, over=("claimed", built))
+        changes = {"lease_owner": owner, "lease_expires_at": now + timedelta(seconds=lease_seconds())}
+        params = [("id", task_id), ("state", state), ("generation", generation), ("lease_expires_at", now)]
+        if connections[router.db_for_write(Task)].vendor == "postgresql":
+            built = update_sql(Task, changes, CLAIMABLE, params, returning="t.*")
+            claimed = select(Task, "TRUE", [], related=related, extra=extra, over=("claimed", built))
+        else:  # (SQLite's RETURNING cannot join: the related rows are its subqueries)
+            claimed = update_read(Task, changes, CLAIMABLE, params, related=related, extra=extra)
         if not claimed:
             return read(), None
         lease = cls(claimed[0])
