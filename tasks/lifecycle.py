@@ -232,6 +232,12 @@ def note_triggers_sql(alias: str = "default") -> dict[str, str]:
     note, stamped, pk = task.get_field("moves_note").column, task.get_field("updated_at").column, task.pk.column
     statements = [f"INSERT INTO {event.db_table} ({columns}) SELECT NEW.{pk}, {values} "
                   f"FROM json_each(NEW.{note}, '$.e') ORDER BY key"]
+
+    def named(table: str) -> str:
+        # The note, only when it names the table: a write of a table it does not name costs a
+        # string search, not a parse of the note (SQLite parses the JSON again for each statement).
+        return f"(SELECT NEW.{note} AS n WHERE instr(NEW.{note}, '\"{table}\"') > 0) g"
+
     for model, names in NOTED_CHANGES.items():
         table = model._meta.db_table
         sets = ", ".join(f"{quote(f.column)} = CASE WHEN json_type(u.value, '$.s.{f.column}') IS NULL "
@@ -246,13 +252,13 @@ def note_triggers_sql(alias: str = "default") -> dict[str, str]:
                 f"CASE COALESCE(json_type(u.value, {read}), 'absent') WHEN 'absent' THEN 1 WHEN 'null' THEN {here} IS NULL "
                 f"WHEN 'array' THEN {here} IN (SELECT value FROM json_each(u.value, {read})) "
                 f"ELSE {here} = json_extract(u.value, {read}) END")
-        statements.append(f"UPDATE {table} SET {sets} FROM json_each(NEW.{note}, '$.u.{table}') AS u "
-                          f"WHERE {' AND '.join(conditions)}")
+        statements.append(f"UPDATE {table} SET {sets} FROM (SELECT j.value FROM {named(table)}, "
+                          f"json_each(g.n, '$.u.{table}') j) AS u WHERE {' AND '.join(conditions)}")
     for model in _noted_inserts():
         table, fields = model._meta.db_table, rows.insert_fields(model, alias)
         statements.append(f"INSERT INTO {table} ({', '.join(quote(f.column) for f in fields)}) "
-                          f"SELECT {', '.join(f'json_extract(value, {chr(39)}$.{f.column}{chr(39)})' for f in fields)} "
-                          f"FROM json_each(NEW.{note}, '$.i.{table}') ORDER BY key")
+                          f"SELECT {', '.join(f'json_extract(j.value, {chr(39)}$.{f.column}{chr(39)})' for f in fields)} "
+                          f"FROM {named(table)}, json_each(g.n, '$.i.{table}') j ORDER BY j.key")
     body = f"BEGIN {'; '.join(statements)}; END"
     return {
         HISTORY_TRIGGER: (f"CREATE TRIGGER {HISTORY_TRIGGER} AFTER UPDATE OF {note} ON {task.db_table} FOR EACH ROW "
