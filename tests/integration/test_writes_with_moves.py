@@ -143,6 +143,8 @@ def test_a_carried_write_that_fails_fails_the_move(tenant):
 
 
 def test_the_databases_trigger_is_the_one_the_code_writes(db):
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's triggers (PostgreSQL writes in the move's WITH)")
     assert lifecycle.note_triggers_current()
 
 
