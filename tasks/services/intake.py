@@ -458,6 +458,13 @@ def _write(decided: _Decided, steps: list[tuple[Any, int, str | None]]) -> bool:
         insert_together(tasks, [event for _, _, event in accepted])  # (in one statement on PostgreSQL)
         return False
     messages = step_rows("precheck", steps)
+    if len(accepted) >= ROWS_OF_THEIR_OWN:
+        # Several: the entries in one statement of their own and the messages in another, as the
+        # tasks are (a note parsed by the trigger for each row costs more than the rows it writes).
+        insert_rows(tasks)
+        insert_rows([event for _, _, event in accepted])
+        insert_rows(messages or [])
+        return messages is not None
     rest: list[Write] = []
     for n, (_, task, event) in enumerate(accepted):
         rest += lifecycle.inserted_with(task, [event], (Write.insert([messages[n]]),) if messages else ())
@@ -465,6 +472,13 @@ def _write(decided: _Decided, steps: list[tuple[Any, int, str | None]]) -> bool:
     for write in rest:
         write.run()
     return messages is not None
+
+
+# From this many accepted submissions in one write on SQLite, their history entries and messages
+# are written as statements of their own instead of in each task's INSERT (what each costs: a
+# task's INSERT with its note, about 0.3 ms of the database's time; without, 0.06 ms, and each entry
+# and message 0.01–0.02 ms in a statement of many rows).
+ROWS_OF_THEIR_OWN = 3
 
 
 # An Idempotency-Key is kept this long (nominal seconds) from its task's acceptance, and never
