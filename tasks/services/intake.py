@@ -446,8 +446,10 @@ def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | 
 def _write(decided: _Decided, steps: list[tuple[Any, int, str | None]]) -> bool:
     """The accepted submissions' rows: the tasks (with their keys) and their first history
     entries; a key past its time is forgotten by the task that held it first (as the prune does).
-    On SQLite each task's INSERT also carries its entry and, with the embedded broker, its
-    pre-check's message (`steps`, in the accepted's order) in its note: whether it did so."""
+    On SQLite the pre-check's messages are written with them when the broker is embedded
+    (`steps`, in the accepted's order): a few tasks' INSERTs carry their entry and message in
+    their notes, more write them as a statement each (ROWS_OF_THEIR_OWN). Whether the messages
+    were written here."""
     accepted = decided.accepted
     if decided.expired:
         forget_keys(decided.expired)
@@ -475,9 +477,10 @@ def _write(decided: _Decided, steps: list[tuple[Any, int, str | None]]) -> bool:
 
 
 # From this many accepted submissions in one write on SQLite, their history entries and messages
-# are written as statements of their own instead of in each task's INSERT (what each costs: a
-# task's INSERT with its note, about 0.3 ms of the database's time; without, 0.06 ms, and each entry
-# and message 0.01–0.02 ms in a statement of many rows).
+# are written as statements of their own instead of in each task's INSERT: a task's INSERT whose
+# note the trigger parses took about 0.34 ms of the database's time, 0.06 without a note, and an
+# entry or a message 0.01–0.02 ms in a statement of many rows (docs/performance.md, 2026-12-07).
+# Below it the note saves a statement or two per task for less than it costs.
 ROWS_OF_THEIR_OWN = 3
 
 
