@@ -259,24 +259,27 @@ def _preparer(field: Field) -> Callable[[Model, Any], Any]:
             if value is None or isinstance(value, str):  # (a str subclass, a choice, is what to_python returns)
                 return value
             return field.get_db_prep_save(value, connection)
-    elif kind in _INTEGER:
-        def prepare(obj: Model, connection: Any) -> Any:
-            value = getattr(obj, attname)
-            if value is None:
-                return None
-            if type(value) is int:
-                return connection.ops.adapt_integerfield_value(value, internal)
-            return field.get_db_prep_save(value, connection)
-    elif kind is UUIDField:
-        def prepare(obj: Model, connection: Any) -> Any:
-            value = getattr(obj, attname)
-            if value is None:
-                return None
-            if type(value) is uuid.UUID:
+    elif kind in _INTEGER or kind is UUIDField:
+        if kind is UUIDField:
+            plain: type = uuid.UUID
+
+            def adapt(value: Any, connection: Any) -> Any:
                 return value if connection.features.has_native_uuid_field else value.hex
+        else:
+            plain = int
+
+            def adapt(value: Any, connection: Any) -> Any:
+                return connection.ops.adapt_integerfield_value(value, internal)
+
+        def prepare(obj: Model, connection: Any) -> Any:
+            value = getattr(obj, attname)
+            if value is None:
+                return None
+            if type(value) is plain:
+                return adapt(value, connection)
             return field.get_db_prep_save(value, connection)
     else:  # BooleanField, FloatField
-        plain = bool if kind is BooleanField else float
+        plain = bool if kind is BooleanField else float  # (passed on as they are)
 
         def prepare(obj: Model, connection: Any) -> Any:
             value = getattr(obj, attname)
