@@ -88,8 +88,16 @@ def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None
     statement when they fit in one (several in a transaction when they do not): inside the
     caller's transaction, or atomic by itself when there is none. `return_pk`: the one row's key
     is returned. Values that are expressions (F(), Now()) are left to bulk_create."""
+    return prepared_insert(objs, return_pk=return_pk, using=using)()
+
+
+def prepared_insert(objs: list[Model], *, return_pk: bool = False, using: str | None = None) -> Callable[[], Any]:
+    """`insert_rows(objs)` with its values and statements made now and run when the answer is
+    called (what insert_rows returns): a writer that must hold the database's one writer's lock
+    for its statements builds them before it takes it. A primary key a row is given here (not one
+    the database assigns) is the row's from now on."""
     if not objs:
-        return None
+        return lambda: None
     model = type(objs[0])
     alias = using or router.db_for_write(model)
     connection = connections[alias]
@@ -99,24 +107,30 @@ def insert_rows(objs: list[Model], *, return_pk: bool = False, using: str | None
     returning = assigned and connection.features.can_return_rows_from_bulk_insert
     if (fields is None or (return_pk and (len(objs) > 1 or not returning))
             or (assigned and any(obj.pk is not None for obj in objs))):
-        return _orm_insert(model, objs, alias, return_pk)
+        return lambda: _orm_insert(model, objs, alias, return_pk)
     size = max(1, connection.ops.bulk_batch_size(fields, objs))
-    if len(objs) > size and not connection.in_atomic_block:
-        with transaction.atomic(using=alias):
-            return insert_rows(objs, return_pk=return_pk, using=alias)
     rows = _values(objs, alias, connection, fields)
     if rows is None:
-        return _orm_insert(model, objs, alias, return_pk)
+        return lambda: _orm_insert(model, objs, alias, return_pk)
     suffix = f" RETURNING {connection.ops.quote_name(pk_field.column)}" if returning else ""
-    with transaction.mark_for_rollback_on_error(using=alias), connection.cursor() as cursor:
-        for start in range(0, len(objs), size):
-            cursor.execute(*_insert_sql(model, alias, connection, rows[start:start + size], suffix))
-            if returning:
-                for obj, (pk,) in zip(objs[start:start + size], cursor.fetchall(), strict=True):
-                    obj.pk = pk
-    for obj in objs:
-        obj._state.adding, obj._state.db = False, alias
-    return objs[0].pk if return_pk else None
+    statements = [(objs[start:start + size], _insert_sql(model, alias, connection, rows[start:start + size], suffix))
+                  for start in range(0, len(objs), size)]
+
+    def run() -> Any:
+        if len(statements) > 1 and not connection.in_atomic_block:
+            with transaction.atomic(using=alias):
+                return run()
+        with transaction.mark_for_rollback_on_error(using=alias), connection.cursor() as cursor:
+            for batch, statement in statements:
+                cursor.execute(*statement)
+                if returning:
+                    for obj, (pk,) in zip(batch, cursor.fetchall(), strict=True):
+                        obj.pk = pk
+        for obj in objs:
+            obj._state.adding, obj._state.db = False, alias
+        return objs[0].pk if return_pk else None
+
+    return run
 
 
 def _values(objs: list[Model], alias: str, connection: Any, fields: list) -> list[list[Any]] | None:
