@@ -118,19 +118,22 @@ class Orm(ORM):
         self.get_connection()  # what django-q2's does first (old connections closed outside a transaction)
         sent = insert_rows([new_row(OrmQ, key=self._key(), payload=task, lock=timezone.now())],
                            return_pk=True, using=Conf.ORM)
-        self._ring()
+        self.ring()
         return sent
 
     def enqueue_many(self, packages: list[str]) -> None:
         """Messages written in one statement (a batch submission's pre-checks)."""
+        self.get_connection()  # (as enqueue)
         insert_rows(self.message_rows(packages), using=Conf.ORM)
 
-    def message_rows(self, packages: list[str]) -> list[OrmQ]:
+    def message_rows(self, packages: list[str], *, ring: bool = True) -> list[OrmQ]:
         """The messages as rows (unsaved), for a caller that writes them in its transaction (a new
-        task's INSERT carries its pre-check's message on SQLite); the doorbell rings at its commit."""
-        self.get_connection()
+        task's INSERT carries its pre-check's message on SQLite); the doorbell rings at its commit
+        (not `ring`: rows made before the transaction begins, rung by `ring` in it). Nothing
+        here touches the database."""
         now = timezone.now()
-        self._ring()
+        if ring:
+            self.ring()
         return [new_row(OrmQ, key=self._key(), payload=package, lock=now) for package in packages]
 
     def _key(self) -> str:
@@ -140,7 +143,7 @@ class Orm(ORM):
     def doorbell(self) -> Doorbell | None:
         return Doorbell.of(self._key())
 
-    def _ring(self) -> None:
+    def ring(self) -> None:
         """Ring the key's doorbell once the message is there for the pushers: now, or when the
         caller's transaction commits (a message rolled back with it rings nothing)."""
         if self.doorbell is not None:

@@ -184,12 +184,13 @@ def send_step_on_commit(step: str, task_id: Any, generation: int, *, lane: str |
     transaction.on_commit(lambda: _send_or_leave_to_dispatcher(step, task_id, generation, lane=lane))
 
 
-def _written_with_the_transaction() -> bool:
-    """Whether a message sent now is a row of the surrounding transaction (the ORM broker's)."""
+def _written_with_the_transaction(*, ahead: bool = False) -> bool:
+    """Whether a message sent now is a row of the surrounding transaction (the ORM broker's), or
+    (`ahead`) would be a row of a transaction about to begin."""
     from django_q.conf import Conf
 
     # (In django-q2's sync mode the step would run right here, inside the transaction: defer it.)
-    return "orm" in settings.Q_CLUSTER and not Conf.SYNC and transaction.get_connection().in_atomic_block
+    return "orm" in settings.Q_CLUSTER and not Conf.SYNC and (ahead or transaction.get_connection().in_atomic_block)
 
 
 def send_steps_on_commit(step: str, tasks: list[tuple[Any, int, str | None]]) -> None:
@@ -206,17 +207,17 @@ def send_steps_on_commit(step: str, tasks: list[tuple[Any, int, str | None]]) ->
         _send_many_or_leave_to_dispatcher(step, tasks)
 
 
-def step_rows(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any] | None:
+def step_rows(step: str, tasks: list[tuple[Any, int, str | None]], *, ahead: bool = False) -> list[Any] | None:
     """The embedded broker's messages for each (task id, generation, lane), in `tasks`' order, as
     rows the caller writes in its transaction (as `send_steps_on_commit` would write them there,
-    their doorbells rung at its commit); None where messages are not rows of the caller's
-    transaction in the tasks' own database (Redis, django-q2's sync mode, another database):
-    the caller sends them with `send_steps_on_commit`."""
+    their doorbells rung at its commit), or (`ahead`) in the transaction it begins next; None
+    where messages are not rows of the caller's transaction in the tasks' own database (Redis,
+    django-q2's sync mode, another database): the caller sends them with `send_steps_on_commit`."""
     from django_q.models import OrmQ
 
     from tasks.brokers import Orm
 
-    if not tasks or not _written_with_the_transaction() or router.db_for_write(OrmQ) != router.db_for_write(Task):
+    if not tasks or not _written_with_the_transaction(ahead=ahead) or router.db_for_write(OrmQ) != router.db_for_write(Task):
         return None
     clusters = {lane or control_cluster() for _, _, lane in tasks}
     if not all(isinstance(_broker(cluster), Orm) for cluster in clusters):
@@ -231,10 +232,20 @@ def step_rows(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any] 
         for n in indexes:
             func, args, name, timeout = _step_message(step, *tasks[n])
             _package(func, args, cluster=cluster, broker=collected, name=name, timeout=timeout)
-            costs.count("queue_messages")
-        for n, row in zip(indexes, broker.message_rows(collected.packages), strict=True):
+            if not ahead:
+                costs.count("queue_messages")
+        for n, row in zip(indexes, broker.message_rows(collected.packages, ring=not ahead), strict=True):
             found[n] = row
     return found
+
+
+def messages_rung(messages: list[Any]) -> None:
+    """In the transaction that writes them: the doorbells of the queues of messages made by
+    `step_rows(ahead=True)` ring at its commit (and the messages are counted as sent: made
+    ahead, they may have been dropped with a decision taken again)."""
+    costs.count("queue_messages", len(messages))
+    for key in dict.fromkeys(message.key for message in messages):
+        _broker(key).ring()
 
 
 def _send_many(step: str, tasks: list[tuple[Any, int, str | None]]) -> list[Any]:

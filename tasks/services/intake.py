@@ -12,7 +12,7 @@ import functools
 import hashlib
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -36,15 +36,15 @@ from tasks.groupcommit import GroupCommit
 from tasks.models import FileVersion, Lane, Quarantine, Task, TaskEvent, Tenant
 from tasks.observability import log_event
 from tasks.precheck import DETECTOR_VERSION
-from tasks.queueing import send_steps_on_commit, step_rows
+from tasks.queueing import messages_rung, send_steps_on_commit, step_rows
 from tasks.rows import (
     Write,
-    insert_rows,
     insert_together,
     json_rows,
     json_rows_sql,
     moment,
     new_row,
+    prepared_insert,
     select,
 )
 from tasks.scheduling.admission import LaneLoad, admission_gate
@@ -377,10 +377,19 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
                 send_steps_on_commit("precheck", steps)
             return decided
 
-    try:
-        decided = decided_and_written(True)
-    except _Stale:
-        decided = decided_and_written(False)  # its keys' locks were let go with it: tried again first
+    # SQLite, several submissions: decided and their rows built before the write transaction,
+    # which holds the one writer's lock of the whole database only to check the decision and
+    # write them. (Not one or two: their building is short, and the lanes' second read would be
+    # a statement more for each task; measured, a single submission gained nothing.)
+    ahead = None if unlocked or counts_submissions(quota) else _decided_ahead(
+        tenant=tenant, work=work, outcomes=outcomes, files=read_before, quota=quota, actor=actor)
+    if ahead is not None:
+        decided = ahead
+    else:
+        try:
+            decided = decided_and_written(True)
+        except _Stale:
+            decided = decided_and_written(False)  # its keys' locks were let go with it: tried again first
     outcomes, accepted, replayed = decided.outcomes, decided.accepted, decided.replayed
     tasks_by_index = {item.index: task for item, task, _ in accepted}
     stored_ids = [source for source in replayed.values() if not isinstance(source, _Item)]
@@ -397,6 +406,54 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
         log_event("task_accepted", task_id=task.pk, tenant_id=tenant.pk, lane=task.lane_id, kind=item.request.kind,
                   size=task.file.size)
     return outcomes  # type: ignore[return-value]
+
+
+def _decided_ahead(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | None], files: dict,
+                   quota: EffectiveQuota, actor: str) -> _Decided | None:
+    """SQLite, several submissions (a batch, or a group commit of ROWS_OF_THEIR_OWN or more) of a
+    tenant whose submissions no quota counts, outside a caller's transaction: the
+    submissions decided on a read of their lanes and keys taken before the write transaction,
+    and their rows, notes and messages built then too. The transaction, which holds the lock of
+    the database's one writer (every other write of every process waits for it), reads the
+    lanes and keys again and writes the rows only if that read takes the same decision: no task
+    holds a key now that did not then, and each accepted task finds its lane's gate open, counted
+    in one by one (as under the lock). None when the decision is not one to take ahead (a gate
+    not open, a key past its time, nothing to write) or the second read would not take it: the
+    caller then decides under the lock, as before."""
+    alias = router.db_for_write(Task)
+    if connections[alias].vendor != "sqlite" or connections[alias].in_atomic_block or len(work) < ROWS_OF_THEIR_OWN:
+        return None
+    lane_names = sorted({_lane_for(files[i.index], i.request.priority) for i in work if files[i.index] is not None})
+    if not lane_names:
+        return None
+    keys = sorted({item.key for item in work if item.key})
+    holders_of = (tenant, keys) if keys else None
+    lanes = _Lanes(lane_names, tentative=True, holders_of=holders_of)
+    used = lanes.holders if lanes.holders is not None else _tasks_by_key(tenant, keys)
+    now = timezone.now()
+    try:
+        decided = _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files,
+                          key_taken=dict.fromkeys(keys, True), used=used, quota=quota, usage=None,
+                          lanes=lanes, actor=actor, now=now)
+    except _GateClosed:
+        return None
+    if decided.expired or not decided.accepted:
+        return None
+    steps = [(task.pk, 0, task.lane_id) for _, task, _ in decided.accepted]
+    write, carried = _prepared_write(decided, steps, ahead=True)
+    try:
+        with transaction.atomic(using=alias):
+            again = _Lanes(lane_names, holders_of=holders_of)
+            held = again.holders if again.holders is not None else _tasks_by_key(tenant, keys)
+            if ({key: task.pk for key, task in held.items()} != {key: task.pk for key, task in used.items()}
+                    or not again.still_open([task for _, task, _ in decided.accepted], now)):
+                raise _Stale()
+            write()
+            if not carried:
+                send_steps_on_commit("precheck", steps)
+    except _Stale:
+        return None
+    return decided
 
 
 def _decide(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOutcome | None], files: dict,
@@ -450,30 +507,50 @@ def _write(decided: _Decided, steps: list[tuple[Any, int, str | None]]) -> bool:
     (`steps`, in the accepted's order): a few tasks' INSERTs carry their entry and message in
     their notes, more write them as a statement each (ROWS_OF_THEIR_OWN). Whether the messages
     were written here."""
+    write, carried = _prepared_write(decided, steps)
+    write()
+    return carried
+
+
+def _prepared_write(decided: _Decided, steps: list[tuple[Any, int, str | None]], *, ahead: bool = False
+                    ) -> tuple[Callable[[], None], bool]:
+    """`_write` made ready: on SQLite its statements built (their values, the notes and the
+    messages' packages), to be run when the first element is called (`ahead`: made before the
+    transaction that runs it begins); and whether it writes the messages."""
     accepted = decided.accepted
-    if decided.expired:
-        forget_keys(decided.expired)
+    expired = decided.expired
     # Written lane by lane: on PostgreSQL the counter rows are locked at commit in this order,
     # the order every other writer uses (tasks/counters.py).
     tasks = sorted((task for _, task, _ in accepted), key=lambda task: task.lane_id or "")
     if connections[router.db_for_write(Task)].vendor != "sqlite":
-        insert_together(tasks, [event for _, _, event in accepted])  # (in one statement on PostgreSQL)
-        return False
-    messages = step_rows("precheck", steps)
+        def together() -> None:
+            if expired:
+                forget_keys(expired)
+            insert_together(tasks, [event for _, _, event in accepted])  # (in one statement on PostgreSQL)
+        return together, False
+    messages = step_rows("precheck", steps, ahead=ahead)
     if len(accepted) >= ROWS_OF_THEIR_OWN:
         # Several: the entries in one statement of their own and the messages in another, as the
         # tasks are (a note parsed by the trigger for each row costs more than the rows it writes).
-        insert_rows(tasks)
-        insert_rows([event for _, _, event in accepted])
-        insert_rows(messages or [])
-        return messages is not None
-    rest: list[Write] = []
-    for n, (_, task, event) in enumerate(accepted):
-        rest += lifecycle.inserted_with(task, [event], (Write.insert([messages[n]]),) if messages else ())
-    insert_rows(tasks)
-    for write in rest:
-        write.run()
-    return messages is not None
+        inserts = [prepared_insert(tasks), prepared_insert([event for _, _, event in accepted]),
+                   prepared_insert(messages or [])]
+        rest: list[Write] = []
+    else:
+        rest = []
+        for n, (_, task, event) in enumerate(accepted):
+            rest += lifecycle.inserted_with(task, [event], (Write.insert([messages[n]]),) if messages else ())
+        inserts = [prepared_insert(tasks)]
+
+    def statements() -> None:
+        if expired:
+            forget_keys(expired)
+        for insert in inserts:
+            insert()
+        for write in rest:
+            write.run()
+        if ahead and messages:
+            messages_rung(messages)
+    return statements, messages is not None
 
 
 # From this many accepted submissions in one write on SQLite, their history entries and messages

@@ -269,6 +269,58 @@ def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_key_taken_between_a_batchs_read_and_its_write_is_replayed_not_written_twice(tenant, token):
+    """Another request (another web process) takes a key just after a batch with that key read
+    its lanes and the key's holder. SQLite decides a batch before its write transaction and checks
+    the decision under the one writer's lock: it finds the new holder and decides again, replaying
+    it (never a second task, never a unique-key error). PostgreSQL holds the key's lock from before
+    that read: the other request is refused with 409 while the batch's item is accepted."""
+    import threading
+
+    from django.db import connection
+    from django.test import Client
+
+    from tasks import costs
+
+    def client() -> Client:
+        return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    file_id = upload(client(), files.wav()).json()["id"]
+    body = {"file_id": file_id, "kind": "transcription", "target_format": "txt", "priority": "interactive"}
+    items = [{**body, "idempotency_key": key} for key in ("before", "between", "after")]
+    other: dict[str, object] = {}
+
+    def send() -> None:
+        try:
+            other["answer"] = submit(client(), body, key="between")
+        finally:
+            connection.close()
+
+    def spy(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if costs.kind(sql) == "SELECT tasks_lane" and '"max_queued"' in sql and "answer" not in other:
+            racer = threading.Thread(target=send)
+            racer.start()
+            racer.join(30)
+        return result
+
+    with connection.execute_wrapper(spy):
+        answer = client().post("/api/v1/tasks/batch", data=json.dumps({"items": items}), content_type="application/json")
+    assert answer.status_code == 200, answer.content
+    data = answer.json()["data"]
+    assert [item["status"] for item in data] == [202, 202, 202], data
+    if connection.vendor == "postgresql":
+        assert other["answer"].status_code == 409 and other["answer"].json()["code"] == "idempotency_key_in_use"
+        assert [item["replayed"] for item in data] == [False, False, False]
+    else:
+        assert other["answer"].status_code == 202 and not other["answer"].has_header("Idempotent-Replayed")
+        assert [item["replayed"] for item in data] == [False, True, False]
+        assert data[1]["id"] == other["answer"].json()["id"]
+    assert Task.objects.filter(idempotency_key="between").count() == 1
+    assert Task.objects.count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
 def test_submissions_arriving_while_one_is_written_share_the_next_transaction_each_answered_on_its_own(tenant, token):
     """A group commit: submissions of one tenant that arrive while another of its submissions is
     being written wait together and are written in one transaction (one acceptance stamp), each

@@ -255,6 +255,75 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
     assert not Task.objects.filter(idempotency_key="late").exists()
 
 
+def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_again(transactional_db, api, token):
+    """A batch reads its lane with room for all its items and decides (SQLite: before its write
+    transaction; PostgreSQL: before the lane's lock); while it waits for the lock (SQLite: the one
+    writer's), another transaction fills the lane to its threshold. The check under the lock
+    finds the gate closed, and the batch is decided again under it: every item refused, nothing
+    written (the lane read three times: the decision, its check, the decision taken again)."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+    from django.test import Client
+
+    from tasks import locks
+
+    Lane.objects.filter(pk="interactive").update(max_queued=20, early_close_pct=80)
+    bodies = [_body(api, i) for i in range(19)]
+    for index in range(12):
+        assert api.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json").status_code == 202
+    held, release = threading.Event(), threading.Event()
+    lane_reads: list[str] = []
+
+    def hold_and_fill() -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with transaction.atomic():
+                locks.hold(("lane-gate", "interactive"))
+                Tenant.objects.filter(name="acme").update(name="acme")
+                held.set()
+                release.wait(30)
+                for index in range(12, 16):
+                    answer = client.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json")
+                    assert answer.status_code == 202
+        finally:
+            connection.close()
+
+    def spy(execute, sql, params, many, context):
+        if _reads_lane_load(sql):
+            lane_reads.append(sql)
+        return execute(sql, params, many, context)
+
+    answers: list = []
+
+    def submit_late() -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with connection.execute_wrapper(spy):
+                answers.append(client.post("/api/v1/tasks/batch", data=json.dumps({"items": bodies[16:]}),
+                                           content_type="application/json"))
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_and_fill)
+    holder.start()
+    assert held.wait(10)
+    late = threading.Thread(target=submit_late)
+    late.start()
+    if connection.vendor == "postgresql":
+        _until_a_lock_is_awaited("the late batch")
+    else:
+        time.sleep(0.3)  # SQLite: it has decided on its read and waits for the write lock
+    release.set()
+    holder.join(30)
+    late.join(30)
+    assert answers and answers[0].status_code == 200, answers and answers[0].content
+    assert [(r["status"], r["code"]) for r in answers[0].json()["data"]] == [(503, "backlog_full")] * 3, answers[0].json()
+    assert Task.objects.filter(lane="interactive").count() == 16
+    assert len(lane_reads) == 3, lane_reads
+
+
 def _reads_lane_load(sql: str) -> bool:
     """A read of a lane with its load, which a decision takes (not the lane's execution timeout,
     which a message's timeout reads every few seconds)."""
