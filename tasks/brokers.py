@@ -124,7 +124,8 @@ class Orm(ORM):
     def enqueue_many(self, packages: list[str]) -> None:
         """Messages written in one statement (a batch submission's pre-checks)."""
         self.get_connection()  # (as enqueue)
-        insert_rows(self.message_rows(packages), using=Conf.ORM)
+        insert_rows(self.message_rows(packages, ring=False), using=Conf.ORM)
+        self.ring()  # once they are written (outside a transaction the ring is at once)
 
     def message_rows(self, packages: list[str], *, ring: bool = True) -> list[OrmQ]:
         """The messages as rows (unsaved), for a caller that writes them in its transaction (a new

@@ -20,6 +20,7 @@ from typing import Any
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 from django.utils import timezone
+from django_q.signals import pre_enqueue
 
 from tasks import counters, filetypes, lifecycle, locks, timescale
 from tasks.errors import (
@@ -271,13 +272,14 @@ class _Lanes:
         # not written yet, a new read would miss them): the gate errs on the side of closing.
         self.loads[lane.pk]["waiting"] -= 1
 
-    def still_open(self, accepted: list[Task], decided_at) -> bool:
+    def still_open(self, accepted: list[Task], decided_at, *, written: bool = True) -> bool:
         """Whether every one of these tasks, counted in one by one, finds its lane's gate open in
-        these loads (read under the gates' locks after a tentative decision, with these tasks'
-        rows written: a lane's oldest waiting task read as one of them, stamped `decided_at`
-        before the wait for the lock, is counted as arriving now, as in a decision taken under
-        the lock)."""
-        for counts in self.loads.values():
+        these loads (read under the gates' locks after a tentative decision). `written`: read
+        with these tasks' rows written (PostgreSQL): a lane's oldest waiting task read as one of
+        them, stamped `decided_at` before the wait for the lock, is counted as arriving now, as in
+        a decision taken under the lock. Not written (SQLite, decided ahead), the oldest read is
+        another request's and stands."""
+        for counts in self.loads.values() if written else ():
             if counts["oldest"] is not None and counts["oldest"] >= decided_at:
                 counts["oldest"] = None
         now = timezone.now()
@@ -423,6 +425,8 @@ def _decided_ahead(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOut
     alias = router.db_for_write(Task)
     if connections[alias].vendor != "sqlite" or connections[alias].in_atomic_block or len(work) < ROWS_OF_THEIR_OWN:
         return None
+    if pre_enqueue.has_listeners():
+        return None  # (they would hear of messages a decision taken again drops)
     lane_names = sorted({_lane_for(files[i.index], i.request.priority) for i in work if files[i.index] is not None})
     if not lane_names:
         return None
@@ -446,7 +450,7 @@ def _decided_ahead(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOut
             again = _Lanes(lane_names, holders_of=holders_of)
             held = again.holders if again.holders is not None else _tasks_by_key(tenant, keys)
             if ({key: task.pk for key, task in held.items()} != {key: task.pk for key, task in used.items()}
-                    or not again.still_open([task for _, task, _ in decided.accepted], now)):
+                    or not again.still_open([task for _, task, _ in decided.accepted], now, written=False)):
                 raise _Stale()
             write()
             if not carried:

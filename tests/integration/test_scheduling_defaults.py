@@ -262,7 +262,6 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     finds the gate closed, and the batch is decided again under it: every item refused, nothing
     written (the lane read three times: the decision, its check, the decision taken again)."""
     import threading
-    import time
 
     from django.db import connection, transaction
     from django.test import Client
@@ -273,7 +272,7 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     bodies = [_body(api, i) for i in range(19)]
     for index in range(12):
         assert api.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json").status_code == 202
-    held, release = threading.Event(), threading.Event()
+    held, release, decided = threading.Event(), threading.Event(), threading.Event()
     lane_reads: list[str] = []
 
     def hold_and_fill() -> None:
@@ -291,9 +290,11 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
             connection.close()
 
     def spy(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
         if _reads_lane_load(sql):
             lane_reads.append(sql)
-        return execute(sql, params, many, context)
+            decided.set()
+        return result
 
     answers: list = []
 
@@ -314,7 +315,7 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     if connection.vendor == "postgresql":
         _until_a_lock_is_awaited("the late batch")
     else:
-        time.sleep(0.3)  # SQLite: it has decided on its read and waits for the write lock
+        assert decided.wait(10)  # SQLite: it has read its lane (and goes on to wait for the write lock)
     release.set()
     holder.join(30)
     late.join(30)
