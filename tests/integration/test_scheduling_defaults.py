@@ -181,35 +181,16 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
     PostgreSQL its second decision must be taken holding the lane's lock (the first is rolled back
     with its transaction, which lets every lock go: without taking it again, a third submission
     could decide on counts that miss this one)."""
-    import threading
     import time
 
-    from django.db import connection, transaction
-    from django.test import Client
+    from django.db import connection
 
-    from tasks import locks
 
     Lane.objects.filter(pk="interactive").update(max_queued=10, early_close_pct=80)
     bodies = [_body(api, i) for i in range(9)]
     for index in range(6):
         assert api.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json").status_code == 202
-    held, release = threading.Event(), threading.Event()
     seen: dict[str, object] = {"lane_reads": 0, "locks_at_second_decision": None}
-
-    def hold_and_fill() -> None:
-        # Holds the lane's lock (PostgreSQL) or the write lock (SQLite), and fills the lane to 8.
-        try:
-            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
-            with transaction.atomic():
-                locks.hold(("lane-gate", "interactive"))
-                Tenant.objects.filter(name="acme").update(name="acme")
-                held.set()
-                release.wait(30)
-                for index in (6, 7):
-                    answer = client.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json")
-                    assert answer.status_code == 202
-        finally:
-            connection.close()
 
     def spy(execute, sql, params, many, context):
         # PostgreSQL reads the lane for the tentative decision, again under the lock to check it,
@@ -223,22 +204,8 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
                     seen["locks_at_second_decision"] = raw.fetchone()[0]
         return execute(sql, params, many, context)
 
-    answers: list = []
-
-    def submit_late() -> None:
-        try:
-            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
-            with connection.execute_wrapper(spy):
-                answers.append(client.post("/api/v1/tasks", data=json.dumps(bodies[8]), content_type="application/json",
-                                           HTTP_IDEMPOTENCY_KEY="late"))
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_and_fill)
-    holder.start()
-    assert held.wait(10)
-    late = threading.Thread(target=submit_late)
-    late.start()
+    holder, release = _hold_the_lane_then_submit(token, bodies[6:8])  # fills the lane to 8 once released
+    late, answers = _submit_in_a_thread(token, "/api/v1/tasks", bodies[8], spy, HTTP_IDEMPOTENCY_KEY="late")
     if connection.vendor == "postgresql":
         _until_a_lock_is_awaited("the late submission")  # it has written its task and waits for the lane
     else:
@@ -263,31 +230,15 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     written (the lane read three times: the decision, its check, the decision taken again)."""
     import threading
 
-    from django.db import connection, transaction
-    from django.test import Client
+    from django.db import connection
 
-    from tasks import locks
 
     Lane.objects.filter(pk="interactive").update(max_queued=20, early_close_pct=80)
     bodies = [_body(api, i) for i in range(19)]
     for index in range(12):
         assert api.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json").status_code == 202
-    held, release, decided = threading.Event(), threading.Event(), threading.Event()
+    decided = threading.Event()
     lane_reads: list[str] = []
-
-    def hold_and_fill() -> None:
-        try:
-            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
-            with transaction.atomic():
-                locks.hold(("lane-gate", "interactive"))
-                Tenant.objects.filter(name="acme").update(name="acme")
-                held.set()
-                release.wait(30)
-                for index in range(12, 16):
-                    answer = client.post("/api/v1/tasks", data=json.dumps(bodies[index]), content_type="application/json")
-                    assert answer.status_code == 202
-        finally:
-            connection.close()
 
     def spy(execute, sql, params, many, context):
         result = execute(sql, params, many, context)
@@ -296,22 +247,8 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
             decided.set()
         return result
 
-    answers: list = []
-
-    def submit_late() -> None:
-        try:
-            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
-            with connection.execute_wrapper(spy):
-                answers.append(client.post("/api/v1/tasks/batch", data=json.dumps({"items": bodies[16:]}),
-                                           content_type="application/json"))
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_and_fill)
-    holder.start()
-    assert held.wait(10)
-    late = threading.Thread(target=submit_late)
-    late.start()
+    holder, release = _hold_the_lane_then_submit(token, bodies[12:16])  # fills the lane to 16 once released
+    late, answers = _submit_in_a_thread(token, "/api/v1/tasks/batch", {"items": bodies[16:]}, spy)
     if connection.vendor == "postgresql":
         _until_a_lock_is_awaited("the late batch")
     else:
@@ -323,6 +260,62 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     assert [(r["status"], r["code"]) for r in answers[0].json()["data"]] == [(503, "backlog_full")] * 3, answers[0].json()
     assert Task.objects.filter(lane="interactive").count() == 16
     assert len(lane_reads) == 3, lane_reads
+
+
+def _hold_the_lane_then_submit(token: str, bodies: list[dict]):
+    """In a thread: hold the interactive lane's admission (PostgreSQL: its gate's lock; SQLite:
+    a write transaction) until `release` is set, then submit `bodies` in that transaction (each
+    accepted). Returns (thread, release) once it is held."""
+    import threading
+
+    from django.db import connection, transaction
+    from django.test import Client
+
+    from tasks import locks
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold_and_fill() -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with transaction.atomic():
+                locks.hold(("lane-gate", "interactive"))
+                Tenant.objects.filter(name="acme").update(name="acme")
+                held.set()
+                release.wait(30)
+                for body in bodies:
+                    answer = client.post("/api/v1/tasks", data=json.dumps(body), content_type="application/json")
+                    assert answer.status_code == 202
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_and_fill)
+    holder.start()
+    assert held.wait(10)
+    return holder, release
+
+
+def _submit_in_a_thread(token: str, path: str, payload: dict, spy, **headers):
+    """POST `payload` to `path` from a thread whose connection's statements pass through `spy`;
+    returns (the started thread, the list its answer is appended to)."""
+    import threading
+
+    from django.db import connection
+    from django.test import Client
+
+    answers: list = []
+
+    def submit() -> None:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            with connection.execute_wrapper(spy):
+                answers.append(client.post(path, data=json.dumps(payload), content_type="application/json", **headers))
+        finally:
+            connection.close()
+
+    late = threading.Thread(target=submit)
+    late.start()
+    return late, answers
 
 
 def _reads_lane_load(sql: str) -> bool:
