@@ -256,6 +256,10 @@ class _Lanes:
         self.loads = {name: {"waiting": lane.waiting_now, "running": lane.running_now, "oldest": lane.oldest_waiting_at}
                       for name, lane in self.lanes.items()}
 
+    def key_holders(self, tenant: Tenant, keys: list[str]) -> dict[str, Task]:
+        """The tasks holding these keys: as read with the lanes, or read now (not read with them)."""
+        return self.holders if self.holders is not None else _tasks_by_key(tenant, keys)
+
     def load(self, lane: Lane) -> LaneLoad:
         counts = self.loads[lane.pk]
         oldest = counts["oldest"]
@@ -348,7 +352,7 @@ def _submit_all(*, tenant: Tenant, items: list[tuple[SubmitRequest | SluiceError
             # The lanes' load is read with the tasks holding the request's keys, in one statement
             # (under the gates' locks, or unlocked for a tentative decision, as the lanes are read).
             first = _Lanes(lane_names, tentative=tentative, holders_of=(tenant, list(key_taken)) if key_taken else None)
-            used = first.holders if first.holders is not None else _tasks_by_key(tenant, list(key_taken))
+            used = first.key_holders(tenant, list(key_taken))
             now = timezone.now()
 
             def decide(lanes: _Lanes, at) -> _Decided:
@@ -433,7 +437,7 @@ def _decided_ahead(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOut
     keys = sorted({item.key for item in work if item.key})
     holders_of = (tenant, keys) if keys else None
     lanes = _Lanes(lane_names, tentative=True, holders_of=holders_of)
-    used = lanes.holders if lanes.holders is not None else _tasks_by_key(tenant, keys)
+    used = lanes.key_holders(tenant, keys)
     now = timezone.now()
     try:
         decided = _decide(tenant=tenant, work=work, outcomes=list(outcomes), files=files,
@@ -448,7 +452,7 @@ def _decided_ahead(*, tenant: Tenant, work: list[_Item], outcomes: list[BatchOut
     try:
         with transaction.atomic(using=alias):
             again = _Lanes(lane_names, holders_of=holders_of)
-            held = again.holders if again.holders is not None else _tasks_by_key(tenant, keys)
+            held = again.key_holders(tenant, keys)
             if ({key: task.pk for key, task in held.items()} != {key: task.pk for key, task in used.items()}
                     or not again.still_open([task for _, task, _ in decided.accepted], now, written=False)):
                 raise _Stale()
