@@ -639,6 +639,7 @@ class Bench:
 
         rates: dict[str, list[float]] = {"bare": [], "intake": [], "batch": []}
         web_cpu = {name: [0.0, 0] for name in rates}  # the web's CPU seconds, and the requests they served
+        costs_before = self._costs()
         for _ in range(2):
             rates["bare"].append(self._rate(seconds / 2, 8, bare, web_cpu["bare"]))
             rates["intake"].append(self._rate(seconds / 2, 8, submit, web_cpu["intake"]))
@@ -653,6 +654,13 @@ class Bench:
             per["batch"] /= BATCH_SIZE
         self.figures["web_cpu_ms_per_request"] = {name: round(value, 2) for name, value in per.items()}
         self.figures["intake_web_cpu_ms"] = round(per["intake"], 2) if "intake" in per else None
+        # Decisions taken before the lock (several submissions together), and how many of them a
+        # change meanwhile made the web server take again under it (their work done ahead lost).
+        time.sleep(2 * costs_module.FLUSH_S + 0.2)  # every process has written what it counted
+        spent = self._costs()
+        self.figures["intake_decisions_ahead"] = {
+            name: spent.get(key, 0) - costs_before.get(key, 0)
+            for name, key in (("kept", "intake:ahead"), ("taken_again", "intake:again"))}
         self.figures["bare_web_cpu_ms"] = round(per["bare"], 2) if "bare" in per else None
 
     def matrix(self) -> None:

@@ -269,7 +269,7 @@ def test_same_key_while_the_first_is_still_being_accepted(tenant, token):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_key_taken_between_a_batchs_read_and_its_write_is_replayed_not_written_twice(tenant, token):
+def test_a_key_taken_between_a_batchs_read_and_its_write_is_replayed_not_written_twice(tenant, token, caplog):
     """Another request (another web process) takes a key just after a batch with that key read
     its lanes and the key's holder. SQLite decides a batch before its write transaction and checks
     the decision under the one writer's lock: it finds the new holder and decides again, replaying
@@ -318,6 +318,9 @@ def test_a_key_taken_between_a_batchs_read_and_its_write_is_replayed_not_written
         assert data[1]["id"] == other["answer"].json()["id"]
     assert Task.objects.filter(idempotency_key="between").count() == 1
     assert Task.objects.count() == 3
+    again = [r.sluice for r in caplog.records if getattr(r, "sluice", {}).get("event") == "intake_decided_again"]
+    expected = [] if connection.vendor == "postgresql" else [("key_taken", 3)]
+    assert [(e["reason"], e["count"]) for e in again] == expected, again
 
 
 @pytest.mark.django_db(transaction=True)

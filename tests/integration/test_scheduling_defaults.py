@@ -222,7 +222,8 @@ def test_a_decision_made_stale_while_waiting_for_the_lanes_lock_is_taken_again_u
     assert not Task.objects.filter(idempotency_key="late").exists()
 
 
-def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_again(transactional_db, api, token):
+def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_again(transactional_db, api, token,
+                                                                                   caplog):
     """A batch reads its lane with room for all its items and decides (SQLite: before its write
     transaction; PostgreSQL: before the lane's lock); while it waits for the lock (SQLite: the one
     writer's), another transaction fills the lane to its threshold. The check under the lock
@@ -260,6 +261,9 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     assert [(r["status"], r["code"]) for r in answers[0].json()["data"]] == [(503, "backlog_full")] * 3, answers[0].json()
     assert Task.objects.filter(lane="interactive").count() == 16
     assert len(lane_reads) == 3, lane_reads
+    # Said to the operator: a decision taken ahead thrown away, and why.
+    again = [r.sluice for r in caplog.records if getattr(r, "sluice", {}).get("event") == "intake_decided_again"]
+    assert [(e["reason"], e["count"]) for e in again] == [("gate_closed", 3)], again
 
 
 def _hold_the_lane_then_submit(token: str, bodies: list[dict]):

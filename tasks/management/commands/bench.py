@@ -132,6 +132,10 @@ class Command(BaseCommand):
             if waits:
                 self.stdout.write(f"  interactive wait under flood (s): p50 {_fmt(waits['p50'])}, p95 {_fmt(waits['p95'])}, "
                                   f"max {_fmt(waits['max'])}")
+            ahead = figures.get("intake_decisions_ahead")
+            if ahead:
+                self.stdout.write(f"  intake's decisions taken before the lock: {ahead['kept']} kept, "
+                                  f"{ahead['taken_again']} taken again under it")
             kinds = figures.get("statements_per_task_by_kind")
             if kinds:
                 largest = ", ".join(f"{name} {value:g}" for name, value in list(kinds.items())[:8])
