@@ -256,8 +256,7 @@ class _Lanes:
         statement (`holders`), as _tasks_by_key reads them."""
         self.tentative = tentative
         also = _holders_column(*holders_of, first_lane=names[0]) if holders_of and names else None
-        several = holders_of is not None and len(holders_of[1]) > 1
-        with planned_for_its_values(Task) if several else contextlib.nullcontext():
+        with _keys_read(holders_of[1] if holders_of else []):
             self.lanes = counters.lanes_with_load(names, also=also) if names else {}
         # None if not read (no keys, or no row for the first lane to carry them)
         self.holders = _holders(self.lanes[names[0]].key_holders) if also and names[0] in self.lanes else None
@@ -624,7 +623,7 @@ def _tasks_by_key(tenant: Tenant, keys: list[str]) -> dict[str, Task]:
         return {}
     connection = connections[router.db_for_read(Task)]
     where, params = _holding(connection, "t", tenant, keys)
-    with planned_for_its_values(Task) if len(keys) > 1 else contextlib.nullcontext():
+    with _keys_read(keys):
         found = select(Task, where, [(None, value) for value in params],
                        only=("idempotency_key", "created_at"), extra={"key_fingerprint": _key_fingerprint("t")})
     return {task.idempotency_key: task for task in found}
@@ -637,6 +636,12 @@ def _holding(connection, alias: str, tenant: Tenant, keys: list[str]) -> tuple[s
     if connection.vendor == "postgresql" and len(keys) > 1:
         return _holding_sql(connection.vendor, alias, 0), [list(keys), tenant_id]
     return _holding_sql(connection.vendor, alias, len(keys)), [tenant_id, *keys]
+
+
+def _keys_read(keys: list[str]):
+    """Around a statement reading the holders of these keys: several are planned for their values
+    each time (see _holding_sql)."""
+    return planned_for_its_values(Task) if len(keys) > 1 else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=64)
@@ -678,8 +683,8 @@ def _holders_column(tenant: Tenant, keys: list[str], *, first_lane: str) -> tupl
     """The tasks holding these keys of the tenant as one JSON column of the lanes' read (`also`),
     on the first lane's row only: an array of [key, task id, accepted at, fingerprint]."""
     connection = connections[router.db_for_read(Task)]
-    _, params = _holding(connection, "k", tenant, keys)
-    return "key_holders", _holders_sql(connection.vendor, len(keys)), [(None, v) for v in (first_lane, *params)]
+    holding, params = _holding(connection, "k", tenant, keys)
+    return "key_holders", _holders_sql(connection.vendor, holding), [(None, v) for v in (first_lane, *params)]
 
 
 def _key_fingerprint(task: str) -> str:
@@ -690,9 +695,8 @@ def _key_fingerprint(task: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _holders_sql(vendor: str, count: int) -> str:
+def _holders_sql(vendor: str, holding: str) -> str:
     rows = json_rows_sql(vendor, f"k.idempotency_key, k.id, k.created_at, {_key_fingerprint('k')}")
-    holding = _holding_sql(vendor, "k", 0 if vendor == "postgresql" and count > 1 else count)
     return f"CASE WHEN t.name = %s THEN (SELECT {rows} FROM tasks_task k WHERE {holding}) END"
 
 
