@@ -8,7 +8,7 @@ import pytest
 from tasks.models import FileVersion, IdempotencyRecord, Task, TaskEvent, Tenant
 from tasks.poc import files
 from tasks.services.tenancy import tenant_ensure, token_issue
-from tests.support.flows import stored_bytes
+from tests.support.flows import logged, stored_bytes
 
 pytestmark = pytest.mark.django_db
 
@@ -319,7 +319,7 @@ def test_a_key_taken_between_a_batchs_read_and_its_write_is_replayed_not_written
         assert data[1]["id"] == other["answer"].json()["id"]
     assert Task.objects.filter(idempotency_key="between").count() == 1
     assert Task.objects.count() == 3
-    again = [r.sluice for r in caplog.records if getattr(r, "sluice", {}).get("event") == "intake_decided_again"]
+    again = logged(caplog, "intake_decided_again")
     expected = [] if connection.vendor == "postgresql" else [("key_taken", 3)]
     assert [(e["reason"], e["count"]) for e in again] == expected, again
 

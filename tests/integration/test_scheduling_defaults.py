@@ -14,6 +14,7 @@ from tasks.poc import files
 from tasks.services.dispatch import admit_lane, promote_retries
 from tasks.services.outcomes import task_move
 from tasks.services.tenancy import tenant_ensure
+from tests.support.flows import logged
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -262,7 +263,7 @@ def test_a_batch_decided_before_its_write_and_made_stale_meanwhile_is_decided_ag
     assert Task.objects.filter(lane="interactive").count() == 16
     assert len(lane_reads) == 3, lane_reads
     # Said to the operator: a decision taken ahead thrown away, and why.
-    again = [r.sluice for r in caplog.records if getattr(r, "sluice", {}).get("event") == "intake_decided_again"]
+    again = logged(caplog, "intake_decided_again")
     assert [(e["reason"], e["count"]) for e in again] == [("gate_closed", 3)], again
 
 

@@ -72,3 +72,8 @@ def stored_task(tenant, **extra) -> Task:
                                       extension="wav", label="a.wav", storage_name="x")
     return Task.objects.create(tenant=tenant, file=file, kind="transcription", target_format="txt",
                                deadline_at=timezone.now() + timedelta(hours=1), **extra)
+
+
+def logged(caplog, event: str) -> list[dict]:
+    """The fields of each structured log line `event` that Sluice wrote (tasks.observability.log_event)."""
+    return [record.sluice for record in caplog.records if getattr(record, "sluice", {}).get("event") == event]
