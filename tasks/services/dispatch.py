@@ -37,6 +37,7 @@ from tasks.services.execution import claim, claim_attempt, new_operation_fields
 from tasks.services.history import history_rollup_due
 from tasks.services.outcomes import task_move
 from tasks.states import IN_FLIGHT_STATES, TERMINAL_STATES, State
+from tasks.table_statistics import statistics_refresh_due
 from tasks.vendors import breaker
 from tasks.vendors.policies import BreakerPolicy, RetryPolicy
 
@@ -95,9 +96,10 @@ def tick(*, now: datetime | None = None, full: bool = True) -> dict[str, int]:
 
     What moves work along (retries, admission, due steps) runs every pass; the safety nets and
     housekeeping (deadlines, the watchdog, lost starts, probes, ledger syncs, notifications,
-    vendor-job clean-up, history) only in a full pass: the dispatcher loop runs one every
-    DISPATCH_FULL_TICK_S, so a short tick for low latency does not cost a core. One statement
-    first asks which of them have anything to do; an idle pass costs that one statement."""
+    vendor-job clean-up, history, PostgreSQL's statistics of grown tables) only in a full pass:
+    the dispatcher loop runs one every DISPATCH_FULL_TICK_S, so a short tick for low latency does
+    not cost a core. One statement first asks which of them have anything to do; an idle pass
+    costs that one statement (and, every few seconds on PostgreSQL, a question of its counters)."""
     now = now or timezone.now()
     passes = _FULL_PASSES if full else _SHORT_PASSES
     due = _which_have_rows({name: (probe, now) for name, (probe, _) in passes.items()})
@@ -108,7 +110,8 @@ def tick(*, now: datetime | None = None, full: bool = True) -> dict[str, int]:
             due = set(passes)  # what a pass did may be work for the next ones (a retry due now is admitted now)
     if full:
         counts["history"] = history_rollup_due(now)
-    busy = {k: v for k, v in counts.items() if v and k != "history"}
+        counts["statistics"] = len(statistics_refresh_due())
+    busy = {k: v for k, v in counts.items() if v and k not in ("history", "statistics")}
     if busy:
         log_event("dispatch_tick", count=sum(busy.values()), reason=",".join(f"{k}={v}" for k, v in busy.items()))
     return counts
