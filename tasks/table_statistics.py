@@ -72,13 +72,17 @@ def statistics_refresh() -> list[str]:
 
 
 def table_growth() -> list[TableGrowth]:
-    """The counters of this schema's tables, in one statement (PostgreSQL's cumulative statistics,
-    which a backend reports about once a second: a second's writes may not be counted yet)."""
+    """The counters of this schema's tables that this database user may analyze (their owner, the
+    database's owner or a superuser: another user's ANALYZE would only warn and skip them, every
+    pass), in one statement. PostgreSQL's cumulative statistics, which a backend reports about
+    once a second: a second's writes may not be counted yet."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT s.relname, c.reltuples, s.n_live_tup, s.n_mod_since_analyze "
             "FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid "
-            "WHERE s.schemaname = current_schema() ORDER BY s.relname")
+            "WHERE s.schemaname = current_schema() AND (pg_has_role(c.relowner, 'USAGE') "
+            "OR pg_has_role((SELECT datdba FROM pg_database WHERE datname = current_database()), 'USAGE') "
+            "OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)) ORDER BY s.relname")
         return [TableGrowth(name=name, described_rows=None if described < 0 else described,
                             live_rows=live, changed_rows=changed)
                 for name, described, live, changed in cursor.fetchall()]

@@ -9,6 +9,7 @@ filtered out; SQLite's plan says whether it sorted (a TEMP B-TREE) or read the t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from datetime import timedelta
@@ -221,6 +222,18 @@ def _counters_reported() -> None:
         cursor.execute("SELECT 1")
 
 
+@contextlib.contextmanager
+def _autovacuum_off():
+    """PostgreSQL: no ANALYZE of the task table but the test's own (autovacuum's would race it)."""
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE tasks_task SET (autovacuum_enabled = false)")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE tasks_task RESET (autovacuum_enabled)")
+
+
 def _described_rows() -> float:
     with connection.cursor() as cursor:
         cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'tasks_task'::regclass")
@@ -236,9 +249,7 @@ def test_a_young_task_table_that_outgrew_its_statistics_is_analyzed_by_the_dispa
 
     if connection.vendor != "postgresql":
         pytest.skip("SQLite plans by its indexes' shapes and is never analyzed")
-    with connection.cursor() as cursor:  # only the pass analyzes while the test runs
-        cursor.execute("ALTER TABLE tasks_task SET (autovacuum_enabled = false)")
-    try:
+    with _autovacuum_off():
         _statistics(False)
         _backlog()
         _counters_reported()
@@ -262,6 +273,34 @@ def test_a_young_task_table_that_outgrew_its_statistics_is_analyzed_by_the_dispa
         Task.objects.update(state=State.SUCCEEDED)
         _counters_reported()
         assert "tasks_task" in table_statistics.statistics_refresh()
-    finally:
+
+
+def test_the_statistics_pass_leaves_alone_the_tables_its_database_user_may_not_analyze():
+    """A database user that neither owns Sluice's tables nor the database (nor is a superuser)
+    would only be warned and skipped by ANALYZE, at every pass: it does not ask."""
+    import uuid
+
+    from tasks import table_statistics
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite is never analyzed")
+    role = f"sluice_reader_{uuid.uuid4().hex[:8]}"
+    with _autovacuum_off():
+        _statistics(False)
+        _backlog()
+        _counters_reported()
+        assert any(t.name == "tasks_task" and t.needs_statistics() for t in table_statistics.table_growth())
         with connection.cursor() as cursor:
-            cursor.execute("ALTER TABLE tasks_task RESET (autovacuum_enabled)")
+            cursor.execute(f"CREATE ROLE {role} NOLOGIN")
+            cursor.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET ROLE {role}")
+            assert not [t.name for t in table_statistics.table_growth() if t.name.startswith("tasks_")]
+            assert table_statistics.statistics_refresh() == []
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET ROLE")
+                cursor.execute(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}")
+                cursor.execute(f"DROP ROLE {role}")
+        assert _described_rows() < 0  # nothing was analyzed
