@@ -17,10 +17,11 @@ without statistics, and statistics left behind would change every later plan.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from tasks.observability import log_event
 
@@ -48,12 +49,18 @@ class TableGrowth:
 
 
 def statistics_refresh_due() -> list[str]:
-    """The dispatcher's call: at most every STATISTICS_EVERY_S in this process."""
+    """The dispatcher's call: at most every STATISTICS_EVERY_S in this process. A failure (the
+    database going away mid-pass) is logged and asked again at the next pass: it never stops the
+    dispatcher's own work."""
     global _last_asked
     if connection.vendor != "postgresql" or time.monotonic() - _last_asked < STATISTICS_EVERY_S:
         return []
     _last_asked = time.monotonic()
-    return statistics_refresh()
+    try:
+        return statistics_refresh()
+    except DatabaseError as exc:
+        log_event("statistics_refresh_failed", logging.WARNING, exception=exc)
+        return []
 
 
 def statistics_refresh() -> list[str]:

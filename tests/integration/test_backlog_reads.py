@@ -304,3 +304,32 @@ def test_the_statistics_pass_leaves_alone_the_tables_its_database_user_may_not_a
                 cursor.execute(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}")
                 cursor.execute(f"DROP ROLE {role}")
         assert _described_rows() < 0  # nothing was analyzed
+
+
+def test_a_statistics_pass_that_fails_is_logged_and_asked_again_at_the_next_pass(monkeypatch, caplog):
+    """The pass runs inside the dispatcher's tick: an ANALYZE the database cancels (here by the
+    statement timeout an installation may set for its database user) is a warning, not the
+    tick's failure."""
+    from tasks import table_statistics
+    from tests.support.flows import logged
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite is never analyzed")
+    with _autovacuum_off():
+        _statistics(False)
+        _backlog()
+        _counters_reported()
+        monkeypatch.setattr(table_statistics, "_last_asked", 0.0)
+        with connection.cursor() as cursor:
+            cursor.execute("SET statement_timeout = '1ms'")
+        try:
+            with caplog.at_level("INFO", logger="sluice"):
+                assert table_statistics.statistics_refresh_due() == []
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET statement_timeout")
+        failed = logged(caplog, "statistics_refresh_failed")
+        assert failed and failed[0]["exception"] == "OperationalError"  # Django's name for QueryCanceled
+        assert _described_rows() < 0
+        monkeypatch.setattr(table_statistics, "_last_asked", 0.0)  # the next pass, STATISTICS_EVERY_S later
+        assert "tasks_task" in table_statistics.statistics_refresh_due()
