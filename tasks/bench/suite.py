@@ -35,7 +35,7 @@ from tasks.poc import files
 from tasks.services.tenancy import tenant_ensure, token_issue
 from tasks.states import TERMINAL_STATES, State
 from tasks.system import Stack, database_env
-from tasks.table_statistics import STATISTICS_EVERY_S, statistics_refresh
+from tasks.table_statistics import STATISTICS_EVERY_S, statistics_refresh_due
 from tasks.vendors.http import ssl_context
 
 TARGETS = {
@@ -770,7 +770,7 @@ def _statistics_kept():
     def keep() -> None:
         try:
             while not stop.wait(STATISTICS_EVERY_S):
-                statistics_refresh()
+                statistics_refresh_due()  # as the dispatcher calls it: a failure is logged, and asked again
         finally:
             connections.close_all()  # this thread's own
 
