@@ -240,13 +240,10 @@ def _described_rows() -> float:
         return cursor.fetchone()[0]
 
 
-def test_a_young_task_table_that_outgrew_its_statistics_is_analyzed_by_the_dispatcher(monkeypatch, caplog):
-    """A new installation's first backlog would otherwise be planned without statistics until
-    autovacuum's first pass (at most once a minute): the dispatcher's pass analyzes the tables that
-    changed by as many rows as their statistics describe, and then leaves them alone."""
-    from tasks import table_statistics
-    from tests.support.flows import logged
-
+@pytest.fixture
+def young_backlog():
+    """PostgreSQL: a backlog in a task table never analyzed (a new installation's), its writes
+    counted, and no ANALYZE of it but the test's own while the test runs."""
     if connection.vendor != "postgresql":
         pytest.skip("SQLite plans by its indexes' shapes and is never analyzed")
     with _autovacuum_off():
@@ -254,82 +251,80 @@ def test_a_young_task_table_that_outgrew_its_statistics_is_analyzed_by_the_dispa
         _backlog()
         _counters_reported()
         assert _described_rows() < 0  # never analyzed: the planner guesses from the table's pages
-
-        monkeypatch.setattr(table_statistics, "_last_asked", 0.0)
-        with caplog.at_level("INFO", logger="sluice"):
-            counts = dispatch.tick(full=True)
-        assert counts["statistics"] >= 1
-        assert _described_rows() == BACKLOG
-        refreshed = logged(caplog, "statistics_refreshed")
-        assert refreshed and "tasks_task" in refreshed[0]["reason"].split(",")
-
-        # Asked again at once: nothing changed since, nothing is analyzed (and a pass sooner than
-        # STATISTICS_EVERY_S after the last does not ask).
-        _counters_reported()
-        assert "tasks_task" not in table_statistics.statistics_refresh()
-        assert dispatch.tick(full=True)["statistics"] == 0
-
-        # Every task moved on (as a burst's tasks do): as many rows changed as it held, analyzed again.
-        Task.objects.update(state=State.SUCCEEDED)
-        _counters_reported()
-        assert "tasks_task" in table_statistics.statistics_refresh()
+        yield
 
 
-def test_the_statistics_pass_leaves_alone_the_tables_its_database_user_may_not_analyze():
+def test_a_young_task_table_that_outgrew_its_statistics_is_analyzed_by_the_dispatcher(young_backlog, monkeypatch,
+                                                                                      caplog):
+    """A new installation's first backlog would otherwise be planned without statistics until
+    autovacuum's first pass (at most once a minute): the dispatcher's pass analyzes the tables that
+    changed by as many rows as their statistics describe, and then leaves them alone."""
+    from tasks import table_statistics
+    from tests.support.flows import logged
+
+    monkeypatch.setattr(table_statistics, "_last_asked", 0.0)
+    with caplog.at_level("INFO", logger="sluice"):
+        counts = dispatch.tick(full=True)
+    assert counts["statistics"] >= 1
+    assert _described_rows() == BACKLOG
+    refreshed = logged(caplog, "statistics_refreshed")
+    assert refreshed and "tasks_task" in refreshed[0]["reason"].split(",")
+
+    # Asked again at once: nothing changed since, nothing is analyzed (and a pass sooner than
+    # STATISTICS_EVERY_S after the last does not ask).
+    _counters_reported()
+    assert "tasks_task" not in table_statistics.statistics_refresh()
+    assert dispatch.tick(full=True)["statistics"] == 0
+
+    # Every task moved on (as a burst's tasks do): as many rows changed as it held, analyzed again.
+    Task.objects.update(state=State.SUCCEEDED)
+    _counters_reported()
+    assert "tasks_task" in table_statistics.statistics_refresh()
+
+
+def test_the_statistics_pass_leaves_alone_the_tables_its_database_user_may_not_analyze(young_backlog):
     """A database user that neither owns Sluice's tables nor the database (nor is a superuser)
     would only be warned and skipped by ANALYZE, at every pass: it does not ask."""
     import uuid
 
     from tasks import table_statistics
 
-    if connection.vendor != "postgresql":
-        pytest.skip("SQLite is never analyzed")
+    assert any(t.name == "tasks_task" and t.needs_statistics() for t in table_statistics.table_growth())
     role = f"sluice_reader_{uuid.uuid4().hex[:8]}"
-    with _autovacuum_off():
-        _statistics(False)
-        _backlog()
-        _counters_reported()
-        assert any(t.name == "tasks_task" and t.needs_statistics() for t in table_statistics.table_growth())
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {role} NOLOGIN")
+        cursor.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    try:
         with connection.cursor() as cursor:
-            cursor.execute(f"CREATE ROLE {role} NOLOGIN")
-            cursor.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute(f"SET ROLE {role}")
-            assert not [t.name for t in table_statistics.table_growth() if t.name.startswith("tasks_")]
-            assert table_statistics.statistics_refresh() == []
-        finally:
-            with connection.cursor() as cursor:
-                cursor.execute("RESET ROLE")
-                cursor.execute(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}")
-                cursor.execute(f"DROP ROLE {role}")
-        assert _described_rows() < 0  # nothing was analyzed
+            cursor.execute(f"SET ROLE {role}")
+        assert not [t.name for t in table_statistics.table_growth() if t.name.startswith("tasks_")]
+        assert table_statistics.statistics_refresh() == []
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET ROLE")
+            cursor.execute(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}")
+            cursor.execute(f"DROP ROLE {role}")
+    assert _described_rows() < 0  # nothing was analyzed
 
 
-def test_a_statistics_pass_that_fails_is_logged_and_asked_again_at_the_next_pass(monkeypatch, caplog):
+def test_a_statistics_pass_that_fails_is_logged_and_asked_again_at_the_next_pass(young_backlog, monkeypatch, caplog):
     """The pass runs inside the dispatcher's tick: an ANALYZE the database cancels (here by the
     statement timeout an installation may set for its database user) is a warning, not the
     tick's failure."""
     from tasks import table_statistics
     from tests.support.flows import logged
 
-    if connection.vendor != "postgresql":
-        pytest.skip("SQLite is never analyzed")
-    with _autovacuum_off():
-        _statistics(False)
-        _backlog()
-        _counters_reported()
-        monkeypatch.setattr(table_statistics, "_last_asked", 0.0)
+    monkeypatch.setattr(table_statistics, "_last_asked", 0.0)
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '1ms'")
+    try:
+        with caplog.at_level("INFO", logger="sluice"):
+            assert table_statistics.statistics_refresh_due() == []
+    finally:
         with connection.cursor() as cursor:
-            cursor.execute("SET statement_timeout = '1ms'")
-        try:
-            with caplog.at_level("INFO", logger="sluice"):
-                assert table_statistics.statistics_refresh_due() == []
-        finally:
-            with connection.cursor() as cursor:
-                cursor.execute("RESET statement_timeout")
-        failed = logged(caplog, "statistics_refresh_failed")
-        assert failed and failed[0]["exception"] == "OperationalError"  # Django's name for QueryCanceled
-        assert _described_rows() < 0
-        monkeypatch.setattr(table_statistics, "_last_asked", 0.0)  # the next pass, STATISTICS_EVERY_S later
-        assert "tasks_task" in table_statistics.statistics_refresh_due()
+            cursor.execute("RESET statement_timeout")
+    failed = logged(caplog, "statistics_refresh_failed")
+    assert failed and failed[0]["exception"] == "OperationalError"  # Django's name for QueryCanceled
+    assert _described_rows() < 0
+    monkeypatch.setattr(table_statistics, "_last_asked", 0.0)  # the next pass, STATISTICS_EVERY_S later
+    assert "tasks_task" in table_statistics.statistics_refresh_due()
