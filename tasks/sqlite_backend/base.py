@@ -28,6 +28,8 @@ from django.db import OperationalError
 from django.db.backends.sqlite3 import base
 from django.utils.asyncio import async_unsafe
 
+from tasks.sqlite_backend import checkpoints
+
 SHORTEST_WAIT_S = 0.0001
 LONGEST_WAIT_S = 0.001
 
@@ -77,6 +79,15 @@ def _qmark(query: str) -> str:
 
 class DatabaseWrapper(base.DatabaseWrapper):
     _writer: tuple[int, str, int, weakref.finalize] | None = None  # (pid, path, fd, its closer)
+
+    def get_new_connection(self, conn_params):
+        """Django's connection, whose commits leave the WAL's checkpoints to this process's thread
+        (checkpoints.py) up to the bound."""
+        conn = super().get_new_connection(conn_params)
+        if not self.is_in_memory_db():
+            conn.execute(f"PRAGMA wal_autocheckpoint = {checkpoints.AUTOCHECKPOINT_PAGES}")
+            checkpoints.keep_checkpointed(str(self.settings_dict["NAME"]))
+        return conn
 
     @async_unsafe
     def create_cursor(self, name=None):
