@@ -7,8 +7,10 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +78,9 @@ class Scratch:
             self.created_databases.append(database)
             return database
         database = str(workdir / "sluice.sqlite3")
-        shutil.copyfile(self.template, database)
+        # Through SQLite, not as a file: pages still in the template's WAL are part of it.
+        with closing(sqlite3.connect(self.template)) as source, closing(sqlite3.connect(database)) as copy:
+            source.backup(copy)
         return database
 
     def child_env(self, workdir: Path, index: int) -> dict[str, str]:
