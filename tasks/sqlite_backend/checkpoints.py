@@ -39,20 +39,17 @@ _HEADER_BYTES = 48  # a header, written twice one after the other; then the chec
 _BACKFILL = struct.Struct("=I")
 
 _started: dict[tuple[int, str], threading.Thread] = {}
+_index_fds: dict[tuple[int, str], int] = {}  # (pid, database): its WAL index, open (_index_fd)
 _lock = threading.Lock()
 
 
 def pending_frames(database: str) -> int | None:
     """Frames in the database's WAL that no checkpoint has copied yet, from the wal-index header;
     None when there is no WAL index, or its header is being written now (its two copies differ)."""
-    try:
-        fd = os.open(f"{database}-shm", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    fd = _index_fd(database)
+    if fd is None:
         return None
-    try:
-        header = os.pread(fd, 2 * _HEADER_BYTES + _BACKFILL.size, 0)
-    finally:
-        os.close(fd)
+    header = os.pread(fd, 2 * _HEADER_BYTES + _BACKFILL.size, 0)
     if len(header) < 2 * _HEADER_BYTES + _BACKFILL.size or header[:_HEADER_BYTES] != header[_HEADER_BYTES:2 * _HEADER_BYTES]:
         return None
     version, _, _, initialised, _, _, max_frame = _HEADER.unpack_from(header)
@@ -60,6 +57,34 @@ def pending_frames(database: str) -> int | None:
         return None
     (backfilled,) = _BACKFILL.unpack_from(header, 2 * _HEADER_BYTES)
     return max(max_frame - backfilled, 0)
+
+
+def _index_fd(database: str) -> int | None:
+    """This process's descriptor of `<database>-shm`, opened once and never closed while that file
+    is the one in use: SQLite holds POSIX locks on it, and closing any descriptor of a file drops
+    every lock its process holds on that file, whoever took them (another process would then take
+    itself for the last user and reset the index under this process's mapping of it). A
+    descriptor of a file since replaced (every connection to the database closed, and a new one
+    opened) is closed: no connection uses the replaced file any more."""
+    path = f"{database}-shm"
+    try:
+        current = os.stat(path)
+    except OSError:
+        return None
+    key = (os.getpid(), database)
+    known = _index_fds.get(key)
+    if known is not None:
+        held = os.fstat(known)
+        if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+            return known
+        os.close(known)
+        del _index_fds[key]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    _index_fds[key] = fd
+    return fd
 
 
 def checkpoint_due(pending: int | None) -> bool:

@@ -107,6 +107,48 @@ def test_one_process_at_a_time_checkpoints(database):
     conn.close()
 
 
+READER = """
+import sqlite3, sys
+from tasks.sqlite_backend import checkpoints
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("SELECT count(*) FROM t").fetchone()  # its WAL index, mapped and locked
+for _ in range(3):
+    assert checkpoints.pending_frames(sys.argv[1]) is not None
+print("ready", flush=True)
+sys.stdin.readline()
+conn.execute("INSERT INTO t (body) VALUES (randomblob(100))")
+print(conn.execute("SELECT count(*) FROM t").fetchone()[0], flush=True)
+"""
+
+
+# Where SQLite's unix VFS keeps the lock every connection with the WAL index open holds shared
+# (the "dead man switch": whoever takes it exclusively is the only one left, and resets the index).
+DMS_LOCK_OFFSET = 128
+
+
+def test_reading_the_wal_index_leaves_the_locks_of_the_process_s_connections_alone(database):
+    """SQLite's connections hold POSIX locks on `-shm`; closing any descriptor of that file drops
+    every lock its process holds on it. A process whose locks were dropped is taken for gone: the
+    next process to open the database resets the index under that process's mapping of it (in
+    the benchmark: a web worker killed by SIGBUS)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    reader = subprocess.Popen([sys.executable, "-c", READER, database], cwd=root, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        fd = os.open(f"{database}-shm", os.O_RDWR)
+        try:
+            with pytest.raises(OSError):  # the reader's connection still holds its shared lock
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, DMS_LOCK_OFFSET, os.SEEK_SET)
+        finally:
+            os.close(fd)
+        out, _ = reader.communicate("go\n", timeout=60)
+    finally:
+        reader.kill()
+    assert reader.returncode == 0, f"the reader ended with {reader.returncode}"
+    assert out.strip() == "1"
+
+
 @pytest.mark.skipif(bool(settings.DATABASE_URL), reason="the scratch copies are SQLite files on the embedded setup")
 def test_a_scratch_copy_of_the_template_holds_what_is_still_in_its_wal(database, tmp_path):
     """Runs (POC scenarios, benchmarks) start on a copy of a migrated template: pages a commit left
