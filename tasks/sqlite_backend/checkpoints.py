@@ -8,8 +8,8 @@ opens a connection keeps a thread that reads how many frames the WAL holds that 
 has copied yet (the wal-index header in `<database>-shm`, a documented format:
 https://www.sqlite.org/walformat.html) every CHECK_EVERY_S, and past CHECKPOINT_PAGES runs a
 PASSIVE checkpoint on a connection of its own, which waits for no reader or writer and is waited
-for by none. Several processes' threads asking at once is harmless: SQLite lets one checkpoint
-run, and the others are told it is busy and ask again later. Connections keep SQLite's own
+for by none; one process at a time (a lock file), the others' threads ask again at their next
+read. Connections keep SQLite's own
 checkpoint in the commit, at AUTOCHECKPOINT_PAGES: a bound on the WAL for the time no thread has
 checkpointed (a process stopped between two reads, the threads of every process gone).
 """
@@ -97,9 +97,9 @@ def checkpoint(database: str) -> tuple[int, int, int] | None:
     at a time holds the lock file `<database>.checkpointer`, so that the threads of several
     processes finding the WAL past the mark at once do not each open a connection to ask).
 
-    The connection is the checkpoint's alone, closed at once: one kept open would outlive the
-    process's other connections, and the last connection's close is what checkpoints the whole
-    WAL and removes it when a process ends (leaving the database a file complete in itself)."""
+    The connection is the checkpoint's alone, closed at once: when a process's connections are
+    closed, the last one to close checkpoints the whole WAL and removes it, which a connection of
+    this thread's kept open would keep from happening."""
     lock_fd = os.open(f"{database}.checkpointer", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:
