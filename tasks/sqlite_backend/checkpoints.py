@@ -38,7 +38,7 @@ _HEADER = struct.Struct("=III BB H I")  # iVersion, unused, iChange, isInit, big
 _HEADER_BYTES = 48  # a header, written twice one after the other; then the checkpoint's nBackfill
 _BACKFILL = struct.Struct("=I")
 
-_started: dict[tuple[int, str], threading.Thread] = {}
+_started: set[tuple[int, str]] = set()  # (pid, database): its thread runs
 _index_fds: dict[tuple[int, str], int] = {}  # (pid, database): its WAL index, open (_index_fd)
 _lock = threading.Lock()
 
@@ -127,9 +127,8 @@ def keep_checkpointed(database: str) -> None:
     with _lock:
         if key in _started:
             return
-        thread = threading.Thread(target=_checkpointing, args=(database,), name="sqlite-checkpoints", daemon=True)
-        _started[key] = thread
-    thread.start()
+        _started.add(key)
+    threading.Thread(target=_checkpointing, args=(database,), name="sqlite-checkpoints", daemon=True).start()
 
 
 def _checkpointing(database: str) -> None:
@@ -138,7 +137,7 @@ def _checkpointing(database: str) -> None:
         time.sleep(CHECK_EVERY_S)
         if not os.path.exists(database):  # removed (a scratch or test database): nothing to keep
             with _lock:
-                _started.pop((os.getpid(), database), None)
+                _started.discard((os.getpid(), database))
             return
         try:
             if checkpoint_due(pending_frames(database)):

@@ -77,9 +77,11 @@ def test_a_commit_leaves_the_wal_to_the_thread_which_checkpoints_it_past_the_mar
     backend.set_autocommit(True)
 
     deadline = time.monotonic() + 20 * checkpoints.CHECK_EVERY_S
-    while (checkpoints.pending_frames(database) or 0) >= checkpoints.CHECKPOINT_PAGES and time.monotonic() < deadline:
+    pending = checkpoints.pending_frames(database)
+    while (pending is None or pending >= checkpoints.CHECKPOINT_PAGES) and time.monotonic() < deadline:
         time.sleep(checkpoints.CHECK_EVERY_S / 5)
-    assert checkpoints.pending_frames(database) < checkpoints.CHECKPOINT_PAGES
+        pending = checkpoints.pending_frames(database)
+    assert pending is not None and pending < checkpoints.CHECKPOINT_PAGES
     with sqlite3.connect(database) as conn:
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 2 * checkpoints.CHECKPOINT_PAGES
 
