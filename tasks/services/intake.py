@@ -49,6 +49,7 @@ from tasks.rows import (
     planned_for_its_values,
     prepared_insert,
     select,
+    time_ordered_uuid,
 )
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING
@@ -755,7 +756,7 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
     deadline_at = now + timescale.delta(deadline_s)
     queue_deadline_at = now + timescale.delta(lane.queue_deadline_s)
     task = new_row(
-        Task, tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
+        Task, id=time_ordered_uuid(), tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
         priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
         idempotency_fingerprint=fingerprint if key else None,
         deadline_at=deadline_at, queue_deadline_at=queue_deadline_at,
