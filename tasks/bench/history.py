@@ -75,8 +75,8 @@ def seed_finished_tasks(template: Task, count: int) -> int:
     # What happens to rows that arrive over a day, done at once for rows that arrived at once:
     # PostgreSQL's autovacuum vacuums and analyzes the tables as inserts accumulate (the planner's
     # statistics count the rows, their pages are marked all-visible; left undone, the insert-driven
-    # autovacuum of 100,000 rows a table and the first readers' hint-bit writes land inside the
-    # measured run: in one whole run the database's CPU a task went from 9 to 32 ms), SQLite
+    # autovacuum of the 100,000 rows and the first readers' hint-bit writes may land inside the
+    # measured run, which a day's gradual growth would have spread out), SQLite
     # checkpoints its write-ahead log a thousand pages at a time (not hundreds of MB at the
     # pipeline's first commit).
     with connection.cursor() as cursor:
