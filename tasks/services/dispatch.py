@@ -126,10 +126,11 @@ def _which_have_rows(probes: dict[str, tuple[Callable[[datetime], QuerySet], dat
         parts.append(f"EXISTS ({sql})")
         params.extend(values)
     # Planned for its values at every tick (PostgreSQL): the probes find their rows through
-    # partial indexes (a state, a moment), which a prepared statement's generic plan cannot use;
-    # kept once the connection had run it five times, it read the task table's whole history at
-    # every tick (60-90 ms of the database's CPU a tick after the benchmark's first sections,
-    # 200-800 ms over 100,000 finished tasks, five ticks a second).
+    # partial indexes (a state, a moment), which a prepared statement's generic plan cannot use.
+    # Prepared on the connection (settings: prepare_threshold), it was planned for its values five
+    # times and then kept a generic plan, which read the task table's history at every tick
+    # (55-95 ms of the database's CPU a full tick after the benchmark's first sections, 200-800 ms
+    # over 100,000 finished tasks, a full tick every 0.4 s; 10-15 ms planned for its values).
     with planned_for_its_values(Task), connection.cursor() as cursor:
         cursor.execute("SELECT " + ", ".join(parts), params)
         row = cursor.fetchone()
