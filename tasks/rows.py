@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,18 +55,6 @@ _PREPARERS: dict[tuple[type, str], list[Callable[[Model, Any], Any]]] = {}
 
 
 _BLANKS: dict[type, tuple[dict[str, Any], list[tuple[str, Callable[[], Any]]]]] = {}
-
-
-def time_ordered_uuid() -> uuid.UUID:
-    """A UUID version 7 (RFC 9562): 48 bits of Unix milliseconds, then 74 random bits. Rows keyed
-    by it are inserted at the end of their primary key's index (and of every index leading with a
-    reference to them) instead of at a random leaf: a commit dirties the last pages, not a page
-    anywhere in an index that outgrew the cache. The random bits keep it unguessable enough for
-    an identifier every read is scoped by tenant anyway."""
-    value = (time.time_ns() // 1_000_000 & (1 << 48) - 1) << 80 | int.from_bytes(os.urandom(10)) & (1 << 80) - 1
-    value = value & ~(0xF << 76) | 0x7 << 76  # version 7
-    value = value & ~(0x3 << 62) | 0x2 << 62  # the RFC's variant
-    return uuid.UUID(int=value)
 
 
 def new_row(model: type[Model], **values: Any) -> Model:

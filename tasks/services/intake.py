@@ -49,7 +49,6 @@ from tasks.rows import (
     planned_for_its_values,
     prepared_insert,
     select,
-    time_ordered_uuid,
 )
 from tasks.scheduling.admission import LaneLoad, admission_gate
 from tasks.scheduling.lanes import ROUTING
@@ -756,9 +755,9 @@ def accepted_rows(*, tenant: Tenant, file: FileVersion, request: SubmitRequest, 
     deadline_at = now + timescale.delta(deadline_s)
     queue_deadline_at = now + timescale.delta(lane.queue_deadline_s)
     task = new_row(
-        Task, id=time_ordered_uuid(), tenant=tenant, file=file, kind=request.kind, target_format=request.target_format,
-        params=request.params, priority=request.priority, lane=lane, callback_url=request.callback_url,
-        idempotency_key=key or None, idempotency_fingerprint=fingerprint if key else None,
+        Task, tenant=tenant, file=file, kind=request.kind, target_format=request.target_format, params=request.params,
+        priority=request.priority, lane=lane, callback_url=request.callback_url, idempotency_key=key or None,
+        idempotency_fingerprint=fingerprint if key else None,
         deadline_at=deadline_at, queue_deadline_at=queue_deadline_at,
         dispatch_deadline_at=min(deadline_at, queue_deadline_at),
         estimated_units=units, deferred=deferred, due_at=now, enqueued_at=now,

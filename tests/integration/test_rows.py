@@ -470,18 +470,3 @@ def test_new_row_builds_what_the_model_builds(model, tenant):
             assert getattr(built, attname) is not getattr(other, attname)
         elif attname == model._meta.pk.attname:
             assert getattr(built, attname) != getattr(other, attname)
-
-
-def test_time_ordered_ids_are_version_7_and_sort_by_their_millisecond():
-    import time
-    import uuid
-
-    from tasks.rows import time_ordered_uuid
-
-    first = time_ordered_uuid()
-    time.sleep(0.002)
-    later = [time_ordered_uuid() for _ in range(200)]
-    assert all(u.version == 7 and u.variant == uuid.RFC_4122 for u in [first, *later])
-    assert all(first.hex < u.hex for u in later), "a later millisecond sorts after, as the column stores it"
-    assert abs(int(first.hex[:12], 16) - time.time_ns() // 1_000_000) < 60_000
-    assert len({u.hex[12:] for u in later}) == 200, "the rest is random: no two alike within a millisecond"
