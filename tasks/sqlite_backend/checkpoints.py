@@ -9,9 +9,9 @@ has copied yet (the wal-index header in `<database>-shm`, a documented format:
 https://www.sqlite.org/walformat.html) every CHECK_EVERY_S, and past CHECKPOINT_PAGES runs a
 PASSIVE checkpoint on a connection of its own, which waits for no reader or writer and is waited
 for by none; one process at a time (a lock file), the others' threads ask again at their next
-read. Connections keep SQLite's own
-checkpoint in the commit, at AUTOCHECKPOINT_PAGES: a bound on the WAL for the time no thread has
-checkpointed (a process stopped between two reads, the threads of every process gone).
+read. Connections keep SQLite's own checkpoint in the commit, at AUTOCHECKPOINT_PAGES: a bound on
+the WAL for the time no thread has checkpointed (a process stopped between two reads, the threads
+of every process gone).
 """
 
 from __future__ import annotations
